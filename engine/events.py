@@ -1,0 +1,43 @@
+"""What `Chat.send` yields: text as it is decoded, live statistics, and the end of an answer."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New answer text. The concatenation of all deltas of an answer equals
+    `tokenizer.decode(answer_ids, skip_special_tokens=True)`."""
+    text: str
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of the answer's statistics, sent live during decoding and once at the end."""
+    prompt_tokens: int = 0          # tokens in the rendered conversation, this turn
+    prefill_tokens: int = 0         # tokens actually run through prefill (the rest came from the cache)
+    prefill_seconds: float = 0.0
+    prefill_tps: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    decode_tps: float = 0.0
+    forward_passes: int = 0         # target passes during decoding
+    tokens_per_pass: float = 0.0
+    context_tokens: int = 0         # tokens held in the KV cache
+    context_max: int = 0
+    device_bytes: int = 0           # bytes the engine holds on the device (weights + KV cache)
+    host_bytes: int = 0             # resident set size of this process
+    peak_host_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Done:
+    """The answer ended. reason: stop (end-of-sequence token), length (max tokens),
+    cancelled (Chat.cancel), error (message in `error`)."""
+    reason: str
+    token_ids: tuple[int, ...] = field(default=())
+    text: str = ""
+    error: str = ""

@@ -1,0 +1,151 @@
+"""A conversation: chat template, turns, and reuse of the cached prefix.
+
+Each turn renders the whole conversation with the tokenizer's chat template and
+compares it with the tokens already in the KV cache: the common prefix is kept, the
+cache is rolled back to it, and only the rest is prefilled. So turn N costs the new
+message, not the whole history (the last answer normally re-tokenizes to the tokens
+that were generated)."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from . import decode as decoding
+from .detokenize import IncrementalDecoder
+from .errors import BadRequest, EngineError
+from .events import Done, Stats, TextDelta
+from .sampling import SamplingParams, make_generator
+from .stats import StatsTracker
+
+_FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the conversation, ending where the assistant's answer begins."""
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            if messages and messages[0]["role"] == "system":
+                # Some templates refuse a system role: fold it into the first user message.
+                system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
+                if rest:
+                    rest[0]["content"] = f"{system}\n\n{rest[0]['content']}"
+                return render_prompt(tokenizer, rest)
+            raise BadRequest(f"the model's chat template failed: {exc}") from None
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    # A base model without a template: a plain transcript it can continue.
+    text = "".join(f"{_FALLBACK_ROLES.get(m['role'], m['role'])}: {m['content']}\n\n" for m in messages)
+    return tokenizer(text + "Assistant:", add_special_tokens=True)["input_ids"]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Chat:
+    def __init__(self, engine, system: str | None = None):
+        self.engine = engine
+        self.messages: list[dict] = []
+        if system:
+            self.messages.append({"role": "system", "content": system})
+        self.cached_ids: list[int] = []      # the tokens the target's KV cache holds, in order
+        self.last_stats: Stats | None = None
+        self.last_done: Done | None = None
+        self._cancel = threading.Event()
+
+    # -- control from other threads
+    def cancel(self) -> None:
+        """Stop the answer in progress between two steps; its text stays in the conversation."""
+        self._cancel.set()
+
+    def set_system(self, system: str | None) -> None:
+        self.messages = [m for m in self.messages if m["role"] != "system"]
+        if system:
+            self.messages.insert(0, {"role": "system", "content": system})
+
+    def clear(self) -> None:
+        self.messages = [m for m in self.messages if m["role"] == "system"]
+
+    # -- a turn
+    def send(self, text: str, max_new_tokens: int = 512, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Iterator:
+        """Add a user message and stream the answer: TextDelta..., Stats..., Done.
+        Bad arguments raise BadRequest before anything changes; failures during the
+        answer end it with Done('error') and keep what was written."""
+        if not text or not text.strip():
+            raise BadRequest("the prompt is empty; type a question")
+        if max_new_tokens <= 0:
+            raise BadRequest(f"--max-tokens {max_new_tokens}: must be at least 1")
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        self._cancel.clear()
+        self.messages.append({"role": "user", "content": text})
+        answer = {"role": "assistant", "content": ""}
+        self.messages.append(answer)
+        return self._answer(answer, params, max_new_tokens)
+
+    def _answer(self, answer: dict, params: SamplingParams, max_new_tokens: int) -> Iterator:
+        eng, target = self.engine, self.engine.target
+        detok = IncrementalDecoder(eng.tokenizer)
+        generated: list[int] = []
+        reason, error = "length", ""
+        tracker = None
+        try:
+            prompt = render_prompt(eng.tokenizer, self.messages[:-1])
+            eng.claim_cache(self)
+            keep = common_prefix(self.cached_ids, prompt)
+            if keep == len(prompt):
+                keep -= 1          # at least one token must run to get the next logits
+            target.cache.rollback(keep)
+            self.cached_ids = self.cached_ids[:keep]
+            tracker = StatsTracker(target, len(prompt), len(prompt) - keep)
+            first = decoding.prefill(target, prompt[keep:])
+            self.cached_ids = list(prompt)
+            tracker.prefill_done()
+            gen = make_generator(params, target.device)
+            passes = decoding.decode(target, first, params, gen, max_new_tokens, eng.stop_ids, self._cancel)
+            for i, tokens in enumerate(passes):
+                tracker.pass_done(len(tokens), first=i == 0)
+                if i > 0:
+                    # The token before these ones is now in the cache.
+                    self.cached_ids.append(generated[-1])
+                generated.extend(tokens)
+                shown = [t for t in tokens if t not in eng.stop_ids]
+                delta = detok.push(shown) if shown else ""
+                if delta:
+                    answer["content"] += delta
+                    yield TextDelta(delta)
+                if tokens[-1] in eng.stop_ids:
+                    reason = "stop"
+                if tracker.due():
+                    yield tracker.snapshot()
+            if self._cancel.is_set():
+                reason = "cancelled"
+        except EngineError as exc:
+            reason, error = "error", str(exc)
+        except RuntimeError as exc:   # torch failures (out of memory, a read error) end the answer, not the app
+            reason, error = "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        except GeneratorExit:
+            reason = "cancelled"
+            raise
+        finally:
+            tail = detok.flush()
+            if tail:
+                answer["content"] += tail
+            if reason == "error" and not generated:
+                self.cached_ids = self.cached_ids[:target.cache.length]
+            if self.engine.cache_owner is self:
+                # Keep the bookkeeping honest even after an error mid-pass.
+                self.cached_ids = self.cached_ids[:target.cache.length]
+                target.cache.rollback(len(self.cached_ids))
+            if tracker is not None:
+                self.last_stats = tracker.snapshot()
+            self.last_done = Done(reason, tuple(generated), answer["content"], error)
+        if tail:
+            yield TextDelta(tail)
+        yield self.last_stats if self.last_stats else Stats()
+        yield self.last_done

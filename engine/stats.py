@@ -1,0 +1,63 @@
+"""Per-answer statistics: prefill and decode speed apart, tokens per pass, memory."""
+from __future__ import annotations
+
+import time
+
+from . import hardware
+from .events import Stats
+
+
+class StatsTracker:
+    def __init__(self, target, prompt_tokens: int, prefill_tokens: int):
+        self.target = target
+        self.prompt_tokens = prompt_tokens
+        self.prefill_tokens = prefill_tokens
+        self.prefill_seconds = 0.0
+        self.generated = 0
+        self.decode_tokens = 0      # tokens produced by decode passes (the first comes from prefill)
+        self.passes = 0
+        self.decode_seconds = 0.0
+        self._t0 = time.perf_counter()
+        self._last_emit = 0.0
+
+    def prefill_done(self) -> None:
+        now = time.perf_counter()
+        self.prefill_seconds = now - self._t0
+        self._t0 = now
+
+    def pass_done(self, tokens: int, first: bool) -> None:
+        now = time.perf_counter()
+        self.generated += tokens
+        if not first:
+            self.decode_seconds += now - self._t0
+            self.decode_tokens += tokens
+            self.passes += 1
+        self._t0 = now
+
+    def due(self, interval: float = 0.25) -> bool:
+        """Live stats at most every `interval` seconds: sampling memory is not free."""
+        now = time.perf_counter()
+        if now - self._last_emit >= interval:
+            self._last_emit = now
+            return True
+        return False
+
+    def snapshot(self) -> Stats:
+        t = self.target
+        dev = hardware.device_allocated(t.device)
+        return Stats(
+            prompt_tokens=self.prompt_tokens,
+            prefill_tokens=self.prefill_tokens,
+            prefill_seconds=self.prefill_seconds,
+            prefill_tps=self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0,
+            generated_tokens=self.generated,
+            decode_seconds=self.decode_seconds,
+            decode_tps=self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
+            forward_passes=self.passes,
+            tokens_per_pass=self.decode_tokens / self.passes if self.passes else 0.0,
+            context_tokens=t.cache.length,
+            context_max=t.max_positions,
+            device_bytes=dev if dev is not None else t.device_bytes(),
+            host_bytes=hardware.host_rss(),
+            peak_host_bytes=hardware.peak_host_rss(),
+        )

@@ -1,0 +1,89 @@
+"""A target whose weights stay on the device for the whole session, in the checkpoint's
+(or the requested) dtype."""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..cache import KVCache
+from ..errors import CheckpointError, UnsupportedModel
+from . import hf_forward, llama_family
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checkpoint_dtype(path: Path) -> torch.dtype:
+    cfg = json.loads((path / "config.json").read_text())
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
+    return _DTYPES.get(name, torch.float32)
+
+
+class ResidentTarget:
+    def __init__(self, model, device: torch.device, dtype: torch.dtype, fast: bool = True,
+                 cache_capacity: int = 1024):
+        cfg = model.config
+        self.config = cfg
+        self.device, self.dtype = device, dtype
+        self.vocab_size = cfg.vocab_size
+        self.max_positions = getattr(cfg, "max_position_embeddings", None) or 1 << 20
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, device,
+                             capacity=cache_capacity, max_positions=self.max_positions)
+        why_not = llama_family.can_run(model) if fast else "disabled"
+        if why_not is None:
+            self.impl = llama_family.LlamaFamilyForward(model, self.cache)
+            self.kind = "fast"
+        else:
+            self.impl = hf_forward.HFForward(model, self.cache)
+            self.kind = "transformers"
+        self.fallback_reason = why_not
+        self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
+
+    @torch.inference_mode()
+    def forward(self, ids, all_logits: bool = False) -> torch.Tensor:
+        """Run `ids` at the end of the cache and commit them. Returns float32 logits:
+        [len(ids), vocab] with all_logits, else [1, vocab] for the last position."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(-1)
+        pos = self.cache.length
+        self.cache.reserve(ids.numel())
+        logits = self.impl(ids, pos, all_logits)
+        self.cache.length = pos + ids.numel()
+        return logits
+
+    def weight_bytes(self) -> int:
+        return self._weight_bytes
+
+    def device_bytes(self) -> int:
+        return self._weight_bytes + self.cache.nbytes()
+
+
+def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bool = True) -> ResidentTarget:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, KeyError) as exc:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type", "?")
+        raise UnsupportedModel(f"{path}: architecture {model_type!r} is not supported by this "
+                               f"transformers version ({exc.__class__.__name__}); pick another model") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False,
+                attn_implementation="sdpa")
+    except ValueError as exc:
+        if "Unrecognized configuration" in str(exc) or "does not support" in str(exc):
+            raise UnsupportedModel(f"{path}: {config.model_type!r} is not a causal language model "
+                                   "transformers can load; pick another model") from None
+        raise CheckpointError(f"{path}: cannot load the weights ({exc}); re-download the model") from None
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: cannot load the weights ({str(exc).splitlines()[0]}); "
+                              "re-download the model") from None
+    model.to(device).eval()
+    return ResidentTarget(model, device, dtype, fast=fast)
