@@ -1,0 +1,142 @@
+"""Settings: defaults < config file (TOML in the user config dir) < environment
+(LOCALCHAT_*) < command-line flags.
+
+A malformed config file is reported with its path and line; the program still starts
+(with defaults and flags) so a user can fix it from inside."""
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str | None = None          # path, .gguf or repo id; None = the demo model
+    system: str | None = None
+    max_tokens: int = 1024
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    device: str = "auto"
+    dtype: str | None = None          # None = auto
+    theme: str = "textual-dark"
+
+
+# The environment names each setting takes, e.g. LOCALCHAT_MODEL, LOCALCHAT_MAX_TOKENS.
+_TYPES = {f.name: f.type for f in fields(Settings)}
+
+
+def config_dir() -> Path:
+    env = os.environ.get("LOCALCHAT_CONFIG_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+    return Path(platformdirs.user_config_dir("localchat"))
+
+
+def data_dir() -> Path:
+    env = os.environ.get("LOCALCHAT_DATA_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+    return Path(platformdirs.user_data_dir("localchat"))
+
+
+def config_path() -> Path:
+    return config_dir() / "config.toml"
+
+
+def _coerce(name: str, value, source: str):
+    kind = _TYPES[name]
+    try:
+        if value is None or value == "":
+            return None if "None" in kind else _default(name)
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {name} = {value!r} is not a valid {kind.split(' ')[0]}") from None
+
+
+def _default(name: str):
+    return getattr(Settings(), name)
+
+
+class ConfigError(Exception):
+    pass
+
+
+def load(path: Path | None = None, environ: dict | None = None) -> tuple[Settings, list[str]]:
+    """Settings from file and environment, and a list of warnings (a bad file is a warning)."""
+    path = path or config_path()
+    environ = os.environ if environ is None else environ
+    settings, warnings = Settings(), []
+    if path.is_file():
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            values = {}
+            for key, value in data.items():
+                if key not in _TYPES:
+                    warnings.append(f"{path}: unknown setting {key!r} ignored "
+                                    f"(known: {', '.join(sorted(_TYPES))})")
+                    continue
+                values[key] = _coerce(key, value, str(path))
+            settings = replace(settings, **values)
+        except tomllib.TOMLDecodeError as exc:
+            warnings.append(f"{path}: not valid TOML ({exc}); using defaults")
+        except (OSError, UnicodeDecodeError) as exc:
+            warnings.append(f"{path}: unreadable ({exc}); using defaults")
+        except ConfigError as exc:
+            warnings.append(f"{exc}; using defaults")
+    values = {}
+    for name in _TYPES:
+        env = environ.get(f"LOCALCHAT_{name.upper()}")
+        if env is not None:
+            try:
+                values[name] = _coerce(name, env, f"LOCALCHAT_{name.upper()}")
+            except ConfigError as exc:
+                warnings.append(f"{exc}; ignored")
+    return replace(settings, **values), warnings
+
+
+def save(settings: Settings, path: Path | None = None, keys: tuple[str, ...] | None = None) -> Path:
+    """Write settings to the config file atomically, keeping the keys already there.
+    Only non-default values (or the given keys) are written."""
+    path = path or config_path()
+    existing = {}
+    if path.is_file():
+        try:
+            existing = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError):
+            backup = path.with_suffix(".toml.bak")
+            path.replace(backup)   # never lose a file we cannot parse
+    for f in fields(Settings):
+        value = getattr(settings, f.name)
+        if (keys and f.name in keys) or (not keys and value != _default(f.name)):
+            if value is None:
+                existing.pop(f.name, None)
+            else:
+                existing[f.name] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(_dump(existing), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _dump(data: dict) -> str:
+    lines = ["# localchat settings (see README: Configuration)"]
+    for key, value in data.items():
+        if isinstance(value, bool):
+            lines.append(f"{key} = {'true' if value else 'false'}")
+        elif isinstance(value, (int, float)):
+            lines.append(f"{key} = {value}")
+        else:
+            text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+            lines.append(f'{key} = "{text}"')
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,67 @@
+"""Tiny models and tokenizers built in the test, saved to disk, so the real loading
+code runs. Seeded: the same weights every run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Why is the sky blue? Rayleigh scattering of sunlight by the air.",
+    "Café, naïve, façade, 東京, Привет, emoji 🙂 and tabs\tand newlines\n",
+    "for i in range(10):\n    print(i * i)\n",
+]
+
+
+def build_tokenizer(vocab_size: int = 400):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64,
+                max_positions: int = 4096, tokenizer=None) -> Path:
+    """Save a random tiny model and tokenizer to `path` with save_pretrained."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = tokenizer or build_tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=max_positions, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **common))
+    else:
+        raise ValueError(kind)
+    # Random init at std 0.02 gives near-uniform logits; a wider spread makes the
+    # greedy choice decisive, so exactness tests compare real decisions, not ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                     pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
+    return Path(path)
