@@ -210,12 +210,21 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    # transformers' GGUF reader draws its own tqdm bar: the engine never prints.
+    import functools
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    old = getattr(gguf_utils, "tqdm", None)
+    if old is not None:
+        gguf_utils.tqdm = functools.partial(old, disable=True)
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # float32 holds a dequantized GGUF block exactly (scale * q + min, fp16 scales).
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # gguf/transformers raise many types for a bad file
         raise CheckpointError(f"{gguf}: cannot import this GGUF file ({type(exc).__name__}: {exc})") from None
+    finally:
+        if old is not None:
+            gguf_utils.tqdm = old
     config = model.config
     # transformers refuses save_pretrained on a GGUF-loaded model: write the pieces ourselves,
     # as a plain float32 checkpoint without the quantization_config.

@@ -20,23 +20,33 @@ from .stats import StatsTracker
 _FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
-def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the conversation, ending where the assistant's answer begins."""
+def render_text(tokenizer, messages: list[dict]) -> tuple[str, bool]:
+    """The conversation as text, ending where the assistant's answer begins, and whether
+    the tokenizer should add its own special tokens (only for the no-template fallback)."""
     if getattr(tokenizer, "chat_template", None):
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
         except Exception as exc:
             if messages and messages[0]["role"] == "system":
                 # Some templates refuse a system role: fold it into the first user message.
                 system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
                 if rest:
                     rest[0]["content"] = f"{system}\n\n{rest[0]['content']}"
-                return render_prompt(tokenizer, rest)
+                return render_text(tokenizer, rest)
             raise BadRequest(f"the model's chat template failed: {exc}") from None
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
     # A base model without a template: a plain transcript it can continue.
     text = "".join(f"{_FALLBACK_ROLES.get(m['role'], m['role'])}: {m['content']}\n\n" for m in messages)
-    return tokenizer(text + "Assistant:", add_special_tokens=True)["input_ids"]
+    return text + "Assistant:", True
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the conversation, ending where the assistant's answer begins."""
+    text, special = render_text(tokenizer, messages)
+    return encode(tokenizer, text, special)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -54,6 +64,11 @@ class Chat:
         if system:
             self.messages.append({"role": "system", "content": system})
         self.cached_ids: list[int] = []      # the tokens the target's KV cache holds, in order
+        # The conversation so far as rendered text and as the tokens the model actually
+        # saw and produced: a generated answer need not re-tokenize to the same ids, so
+        # the next turn appends to these ids instead of re-tokenizing the whole text.
+        self._turn_text = ""
+        self._turn_ids: list[int] = []
         self.last_stats: Stats | None = None
         self.last_done: Done | None = None
         self._cancel = threading.Event()
@@ -70,6 +85,14 @@ class Chat:
 
     def clear(self) -> None:
         self.messages = [m for m in self.messages if m["role"] == "system"]
+
+    def _prompt(self) -> tuple[list[int], str]:
+        """Token ids and text of the conversation up to the answer about to be written."""
+        tok = self.engine.tokenizer
+        text, special = render_text(tok, self.messages[:-1])
+        if self._turn_text and text.startswith(self._turn_text):
+            return self._turn_ids + encode(tok, text[len(self._turn_text):]), text
+        return encode(tok, text, special), text
 
     # -- a turn
     def send(self, text: str, max_new_tokens: int = 512, temperature: float = 0.0,
@@ -95,7 +118,7 @@ class Chat:
         reason, error = "length", ""
         tracker = None
         try:
-            prompt = render_prompt(eng.tokenizer, self.messages[:-1])
+            prompt, prompt_text = self._prompt()
             eng.claim_cache(self)
             keep = common_prefix(self.cached_ids, prompt)
             if keep == len(prompt):
@@ -144,6 +167,11 @@ class Chat:
                 target.cache.rollback(len(self.cached_ids))
             if tracker is not None:
                 self.last_stats = tracker.snapshot()
+                kept = list(generated)
+                if kept and kept[-1] in eng.stop_ids:
+                    kept.pop()   # the template writes its own end-of-turn after the answer
+                self._turn_text = prompt_text + answer["content"]
+                self._turn_ids = prompt + kept
             self.last_done = Done(reason, tuple(generated), answer["content"], error)
         if tail:
             yield TextDelta(tail)

