@@ -1,0 +1,107 @@
+"""The command line as a user meets it: prompts from arguments and stdin, flags,
+exit codes, and one-line errors (never a traceback)."""
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from localchat import cli, config
+from localchat.oneshot import read_prompt
+
+
+class FakeStdin(io.TextIOWrapper):
+    def __init__(self, data: bytes, tty=False):
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self._tty = tty
+
+    def isatty(self):
+        return self._tty
+
+
+def test_stdin_first_then_arguments():
+    prompt, replaced = read_prompt(["and", "this"], FakeStdin(b"context from a file\n"))
+    assert prompt == "context from a file\n\nand this" and not replaced
+
+
+def test_terminal_stdin_is_not_read():
+    assert read_prompt(["hello"], FakeStdin(b"ignored", tty=True)) == ("hello", False)
+
+
+def test_non_utf8_stdin_is_replaced_and_flagged():
+    prompt, replaced = read_prompt([], FakeStdin(b"caf\xe9 au lait"))
+    assert prompt == "caf\ufffd au lait" and replaced
+
+
+def test_flags_override_config():
+    args = cli.build_parser().parse_args(["--temperature", "0.5", "-n", "7", "hi"])
+    s = cli.settings_from(args, config.Settings(temperature=0.9, max_tokens=100, system="x"))
+    assert (s.temperature, s.max_tokens, s.system) == (0.5, 7, "x")
+
+
+def test_config_file_and_environment(tmp_path):
+    path = tmp_path / "config.toml"
+    config.save(config.Settings(temperature=0.7, system="Be terse."), path)
+    s, warnings = config.load(path, {"LOCALCHAT_TEMPERATURE": "0.2"})
+    assert (s.temperature, s.system, warnings) == (0.2, "Be terse.", [])
+
+
+def test_malformed_config_names_file_and_line(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text('model = "a"\ntemperature = = 3\n')
+    s, warnings = config.load(path, {})
+    assert s == config.Settings() and "config.toml" in warnings[0] and "line 2" in warnings[0]
+
+
+def run_cli(*args, stdin=b"", extra_env=None):
+    env = os.environ.copy()
+    env.update(extra_env or {})
+    return subprocess.run([sys.executable, "-m", "localchat", *args], input=stdin, capture_output=True,
+                          timeout=300, env=env)
+
+
+def one_line_error(proc, *needles):
+    err = proc.stderr.decode()
+    assert "Traceback" not in err, err
+    line = [l for l in err.splitlines() if l.startswith("localchat:")]
+    assert line, err
+    for n in needles:
+        assert n in line[-1], err
+
+
+@pytest.mark.parametrize("flag,value", [("--max-tokens", "0"), ("--max-tokens", "-3"), ("--top-p", "0"),
+                                        ("--temperature", "-1")])
+def test_bad_flag_values_exit_2(flag, value):
+    proc = run_cli(flag, value, "hi")
+    assert proc.returncode == 2
+    one_line_error(proc, flag)
+
+
+def test_missing_model_path_exits_2(tmp_path):
+    proc = run_cli("--model", str(tmp_path / "nope"), "hi")
+    assert proc.returncode == 2
+    one_line_error(proc, "nope", "no such file")
+
+
+def test_empty_prompt_exits_2():
+    proc = run_cli(stdin=b"  \n")
+    assert proc.returncode == 2
+    one_line_error(proc, "prompt is empty")
+
+
+def test_truncated_model_exits_2(tmp_path, tiny_llama):
+    import shutil
+    d = shutil.copytree(tiny_llama, tmp_path / "m")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    proc = run_cli("--model", str(d), "hi")
+    assert proc.returncode == 2
+    one_line_error(proc, "model.safetensors", "truncated")
+
+
+def test_tiny_model_answers_with_stats_and_bad_utf8(tiny_llama):
+    proc = run_cli("--model", str(tiny_llama), "-n", "10", "--stats", stdin=b"caf\xe9")
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.decode()
+    assert "not valid UTF-8" in err and "decode" in err and "Traceback" not in err

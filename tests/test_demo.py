@@ -1,0 +1,102 @@
+"""End to end on the demo model (SmolLM2-135M-Instruct, imported from its Q4_1 GGUF):
+greedy output against transformers' generate(), multi-turn prefix reuse, and the CLI
+as a user runs it."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import engine
+from engine.session import render_prompt
+
+pytestmark = pytest.mark.demo
+
+PROMPTS = [
+    "Why is the sky blue?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Describe, step by step, how to make a good cup of tea.",
+    "What is the capital of France? Answer in one word.",
+    "Rename the variable `x` to `count`:\n\ndef tally(items):\n    x = 0\n    for i in items:\n        x += 1\n    return x",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(demo_engine):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(demo_engine.checkpoint.path, dtype=demo_engine.dtype).eval()
+
+
+def test_demo_runs_the_fast_forward_in_float32(demo_engine):
+    assert demo_engine.target.kind == "fast"
+    assert demo_engine.dtype == torch.float32       # a dequantized GGUF is exact in float32
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_generate(demo_engine, reference, prompt):
+    chat = demo_engine.chat()
+    done = list(chat.send(prompt, max_new_tokens=64))[-1]
+    ids = torch.tensor([render_prompt(demo_engine.tokenizer, [{"role": "user", "content": prompt}])])
+    with torch.inference_mode():
+        want = reference.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert list(done.token_ids) == want
+    assert done.text == demo_engine.tokenizer.decode(
+        [t for t in done.token_ids if t not in demo_engine.stop_ids], skip_special_tokens=True)
+
+
+def test_second_turn_prefills_only_the_new_message(demo_engine):
+    chat = demo_engine.chat()
+    list(chat.send("Why is the sky blue?", max_new_tokens=24))
+    first = chat.last_done
+    turn1 = chat.last_stats.prompt_tokens + len(first.token_ids)
+    list(chat.send("And why are sunsets red?", max_new_tokens=24))
+    new = demo_engine.tokenizer("<|im_end|>\n<|im_start|>user\nAnd why are sunsets red?<|im_end|>\n"
+                                "<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    stopped = 1 if first.reason == "stop" else 0
+    assert chat.last_stats.prompt_tokens == turn1 + len(new) - stopped
+    assert chat.last_stats.prefill_tokens == len(new) + 1 - stopped
+
+
+def run_cli(*args, stdin=b"", timeout=300):
+    return subprocess.run([sys.executable, "-m", "localchat", *args], input=stdin, capture_output=True,
+                          timeout=timeout, env=os.environ.copy())
+
+
+def test_cli_pipe_matches_the_engine(demo_engine):
+    prompt = "What is the capital of France? Answer in one word."
+    want = list(demo_engine.chat().send(prompt, max_new_tokens=16))[-1].text
+    proc = run_cli("-n", "16", "--stats", stdin=prompt.encode())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode() == want + "\n"
+    assert "decode" in proc.stderr.decode() and "tok/s" in proc.stderr.decode()
+
+
+def test_cli_json_text_equals_streamed_text():
+    streamed = run_cli("-n", "24", "Why is the sky blue?")
+    as_json = run_cli("-n", "24", "--json", "Why is the sky blue?")
+    assert streamed.returncode == as_json.returncode == 0
+    record = json.loads(as_json.stdout)
+    assert record["text"] + "\n" == streamed.stdout.decode()
+    assert record["finish_reason"] in ("stop", "length") and len(record["token_ids"]) <= 24
+    assert record["stats"]["decode_tps"] > 0 and record["stats"]["prompt_tokens"] > 0
+
+
+def test_cli_ctrl_c_keeps_what_was_printed():
+    proc = subprocess.Popen([sys.executable, "-m", "localchat", "-n", "2000",
+                             "Write a long story about a lighthouse keeper."],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy())
+    os.set_blocking(proc.stdout.fileno(), False)
+    got, deadline = b"", time.time() + 120
+    while len(got) < 40 and time.time() < deadline:
+        chunk = proc.stdout.read() or b""
+        got += chunk
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    got += out or b""
+    assert proc.returncode == 130
+    assert len(got) >= 40 and b"interrupted" in err and b"Traceback" not in err
