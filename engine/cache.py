@@ -47,11 +47,11 @@ class KVCache:
 
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a pass's keys/values at [pos, pos+T) and return the views [0, pos+T) to attend over."""
-        end = pos + k.shape[2]
+        n = k.shape[-2]
         kc, vc = self.k[layer], self.v[layer]
-        kc[:, :, pos:end] = k
-        vc[:, :, pos:end] = v
-        return kc[:, :, :end], vc[:, :, :end]
+        kc.narrow(2, pos, n).copy_(k.view(kc.shape[0], kc.shape[1], n, kc.shape[3]))
+        vc.narrow(2, pos, n).copy_(v.view(vc.shape[0], vc.shape[1], n, vc.shape[3]))
+        return kc.narrow(2, 0, pos + n), vc.narrow(2, 0, pos + n)
 
     def rollback(self, length: int) -> None:
         """Forget everything from position `length` on (rejected drafts, a re-rendered turn)."""

@@ -1,0 +1,106 @@
+"""Decode speed on the demo model: our engine against Hugging Face generate(), same
+weights, same dtype, same threads, same run; plus time to first token on turn 1 and
+turn 5 of a chat. Writes JSON (median of --runs runs).
+
+    python benchmarks/decode.py [--runs 5] [--tokens 128] [--dtypes float32,bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import engine  # noqa: E402
+from common import machine, median, write_json  # noqa: E402
+from engine.session import render_prompt  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+TURNS = ["Tell me a fact about the sea.", "Tell me a fact about the moon.", "Tell me a fact about stars.",
+         "Tell me a fact about trees.", "Tell me a fact about birds."]
+
+
+def ours(eng, tokens: int, runs: int) -> list[float]:
+    eng.stop_ids = frozenset()          # always decode the full length
+    out = []
+    for _ in range(runs + 1):           # first run warms up
+        chat = eng.chat()
+        list(chat.send(PROMPT, max_new_tokens=tokens))
+        out.append(chat.last_stats.decode_tps)
+    return out[1:]
+
+
+def hf_generate(model, ids, tokens: int, runs: int) -> list[float]:
+    """Decode tok/s of generate(): (tokens - 1) / (time(tokens) - time(1 token)),
+    i.e. prefill removed, as our decode figure is."""
+    def timed(n):
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t
+    out = []
+    with torch.inference_mode():
+        timed(8)
+        for _ in range(runs):
+            t1 = median([timed(1) for _ in range(3)])
+            out.append((tokens - 1) / (timed(tokens) - t1))
+    return out
+
+
+def ttft_turns(eng, runs: int) -> dict:
+    """Time to first token of turn 1 and turn 5 (same-length user messages, 32-token answers)."""
+    eng.stop_ids = frozenset()
+    first, fifth = [], []
+    for _ in range(runs):
+        chat = eng.chat()
+        times = []
+        for q in TURNS:
+            t = time.perf_counter()
+            events = chat.send(q, max_new_tokens=32)
+            for ev in events:
+                if isinstance(ev, engine.TextDelta):
+                    times.append(time.perf_counter() - t)
+                    break
+            for _ in events:      # finish the answer so it becomes history
+                pass
+        first.append(times[0])
+        fifth.append(times[-1])
+    return {"turn1_s": median(first), "turn5_s": median(fifth), "ratio": median(fifth) / median(first),
+            "turn5_prefill_tokens": chat.last_stats.prefill_tokens,
+            "turn5_prompt_tokens": chat.last_stats.prompt_tokens}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    result = {"benchmark": "decode", "model": "SmolLM2-135M-Instruct (demo)", "tokens": args.tokens,
+              "runs": args.runs, "machine": machine(), "rows": []}
+    for dtype in args.dtypes.split(","):
+        eng = engine.open(dtype=dtype)
+        ids = torch.tensor([render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])])
+        ref = AutoModelForCausalLM.from_pretrained(eng.checkpoint.path, dtype=eng.dtype).eval()
+        hf = median(hf_generate(ref, ids, args.tokens, args.runs))
+        fast = median(ours(eng, args.tokens, args.runs))
+        del ref
+        generic = median(ours(engine.open(dtype=dtype, fast=False), args.tokens, args.runs))
+        row = {"dtype": dtype, "generate_tps": hf, "ours_tps": fast, "ours_generic_forward_tps": generic,
+               "speedup_vs_generate": fast / hf, "generic_speedup_vs_generate": generic / hf}
+        if dtype == "float32":
+            row["ttft"] = ttft_turns(eng, max(1, args.runs // 2))
+        result["rows"].append(row)
+        print(row, flush=True)
+    print("wrote", write_json(args.out, result))
+
+
+if __name__ == "__main__":
+    main()
