@@ -19,8 +19,13 @@ from . import hardware
 from .errors import (BadRequest, CheckpointError, ContextFull, EngineError, ModelNotFound,
                      UnsupportedModel)
 from .events import Done, Stats, TextDelta
+from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
 from .sampling import SamplingParams
 from .session import Chat
+from .speculative import DraftController
+from .target.resident import checkpoint_dtype, load_resident
+
+DRAFTERS = ("auto", "ngram", "model", "none")
 
 __all__ = ["open", "Engine", "Chat", "TextDelta", "Stats", "Done", "SamplingParams", "EngineError",
            "BadRequest", "CheckpointError", "ContextFull", "ModelNotFound", "UnsupportedModel"]
@@ -30,7 +35,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class Engine:
-    def __init__(self, ckpt: _checkpoint.Checkpoint, tokenizer, target):
+    def __init__(self, ckpt: _checkpoint.Checkpoint, tokenizer, target, drafter=None,
+                 max_draft: int = 8, draft_tokens: int | None = None):
         self.checkpoint = ckpt
         self.name = ckpt.name
         self.tokenizer = tokenizer
@@ -39,6 +45,14 @@ class Engine:
         self.dtype = target.dtype
         self.stop_ids = _stop_ids(ckpt.path, tokenizer)
         self.cache_owner: Chat | None = None
+        self.drafter = drafter or NgramDrafter()
+        self.max_draft = max_draft
+        self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
+
+    def new_controller(self) -> DraftController:
+        if self.drafter.kind == "none":
+            return DraftController(max_draft=0, fixed=0)
+        return DraftController(max_draft=self.max_draft, fixed=self.draft_tokens)
 
     def chat(self, system: str | None = None) -> Chat:
         return Chat(self, system)
@@ -54,24 +68,51 @@ class Engine:
         t = self.target
         return {"model": self.name, "path": str(self.checkpoint.path), "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "forward": t.kind,
-                "weights_bytes": t.weight_bytes(), "context_max": t.max_positions}
+                "weights_bytes": t.weight_bytes(), "context_max": t.max_positions,
+                "drafter": self.drafter.kind if self.drafter.kind != "model" else f"model:{self.drafter.name}",
+                "draft_tokens": self.draft_tokens if self.draft_tokens is not None else "adaptive"}
 
 
 def open(model: str | None = None, *, device: str = "auto", dtype: str | None = None,
-         cache_dir: str | Path | None = None, fast: bool = True) -> Engine:
-    """Load a model: None for the demo model, a local directory, a .gguf file or a hub repo id."""
-    ckpt = _checkpoint.resolve(model, Path(cache_dir) if cache_dir else None)
+         cache_dir: str | Path | None = None, fast: bool = True, drafter: str = "auto",
+         draft_model: str | None = None, max_draft: int = 8, draft_tokens: int | None = None) -> Engine:
+    """Load a model: None for the demo model, a local directory, a .gguf file or a hub repo id.
+
+    drafter: auto (a model drafter if `draft_model` is given, else n-gram) | ngram | model | none.
+    draft_tokens: a fixed number of drafted tokens per round; None adapts it as the chat runs."""
+    if drafter not in DRAFTERS:
+        raise BadRequest(f"--drafter {drafter}: use one of {', '.join(DRAFTERS)}")
+    if drafter == "model" and not draft_model:
+        raise BadRequest("--drafter model needs --draft-model PATH_OR_REPO")
+    if draft_tokens is not None and not 0 <= draft_tokens <= 64:
+        raise BadRequest(f"--draft-tokens {draft_tokens}: must be between 0 and 64")
+    if not 0 <= max_draft <= 64:
+        raise BadRequest(f"max_draft {max_draft}: must be between 0 and 64")
+    cache_dir = Path(cache_dir) if cache_dir else None
+    ckpt = _checkpoint.resolve(model, cache_dir)
     dev = hardware.pick_device(device)
-    from .target.resident import checkpoint_dtype, load_resident
-    if dtype in (None, "auto"):
-        dt = hardware.default_dtype(dev, checkpoint_dtype(ckpt.path))
-    elif dtype in _DTYPES:
-        dt = _DTYPES[dtype]
-    else:
-        raise BadRequest(f"--dtype {dtype}: use float32, bfloat16 or float16")
+    dt = _pick_dtype(dtype, dev, ckpt.path)
     tokenizer = _load_tokenizer(ckpt.path)
     target = load_resident(ckpt.path, dev, dt, fast=fast)
-    return Engine(ckpt, tokenizer, target)
+    if drafter == "none":
+        draft = NoDrafter()
+    elif drafter == "ngram" or (drafter == "auto" and not draft_model):
+        draft = NgramDrafter()
+    else:
+        dckpt = _checkpoint.resolve(draft_model, cache_dir)
+        dtok = _load_tokenizer(dckpt.path)
+        check_compatible(tokenizer, dtok, ckpt.name, dckpt.name)
+        dtarget = load_resident(dckpt.path, dev, _pick_dtype(dtype, dev, dckpt.path), fast=fast)
+        draft = ModelDrafter(dtarget, dckpt.name, target.vocab_size)
+    return Engine(ckpt, tokenizer, target, draft, max_draft=max_draft, draft_tokens=draft_tokens)
+
+
+def _pick_dtype(dtype: str | None, dev, path: Path):
+    if dtype in (None, "auto"):
+        return hardware.default_dtype(dev, checkpoint_dtype(path))
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise BadRequest(f"--dtype {dtype}: use float32, bfloat16 or float16")
 
 
 def _load_tokenizer(path: Path):

@@ -64,3 +64,12 @@ class KVCache:
 
     def bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share: what a cache holding `a` can keep for `b`."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

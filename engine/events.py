@@ -22,7 +22,11 @@ class Stats:
     decode_seconds: float = 0.0
     decode_tps: float = 0.0
     forward_passes: int = 0         # target passes during decoding
-    tokens_per_pass: float = 0.0
+    tokens_per_pass: float = 0.0     # tokens added per target pass while decoding
+    drafted_tokens: int = 0         # speculative decoding: tokens the drafter proposed
+    accepted_tokens: int = 0        # ... and the target kept
+    acceptance: float = 0.0
+    draft_k: int = 0                # the draft length of the last round
     context_tokens: int = 0         # tokens held in the KV cache
     context_max: int = 0
     device_bytes: int = 0           # bytes the engine holds on the device (weights + KV cache)

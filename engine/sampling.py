@@ -65,3 +65,56 @@ def next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generato
     if params.greedy:
         return int(torch.argmax(logits))
     return int(torch.multinomial(probabilities(logits, params), 1, generator=gen))
+
+
+# ---------------------------------------------------------------- speculative acceptance
+#
+# Leviathan et al. 2023: a drafted token x (drawn from q) is kept with probability
+# min(1, p(x)/q(x)); after a rejection the replacement is drawn from norm(max(0, p - q)).
+# The token emitted at that position then has exactly the distribution p. A one-hot q
+# (the n-gram drafter) keeps x with probability p(x) and, after a rejection, draws from
+# p with x removed.
+
+def accept_probability(p_x: float, q_x: float) -> float:
+    if q_x <= 0:
+        return 0.0       # q never proposes x; reached only through rounding
+    return min(1.0, p_x / q_x)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): where to sample after rejecting a draft from q."""
+    r = (p - q).clamp_(min=0)
+    total = r.sum()
+    if total <= 0:       # p == q: a rejection has probability 0; fall back to p
+        return p
+    return r / total
+
+
+def one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
+    q = torch.zeros_like(like)
+    q[token] = 1.0
+    return q
+
+
+def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
+    """Greedy verification over k+1 positions: how many drafts agree with the target's
+    argmax, and the target's own token after them (the correction, or the bonus)."""
+    best = torch.argmax(target_logits, dim=-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return n, best[n]
+
+
+def verify_sampled(target_logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
+                   params: SamplingParams, gen: torch.Generator | None) -> tuple[int, int]:
+    """Sampled verification: (number of drafts kept, the next token). q is [k, vocab]
+    (the drafter's distributions after the same processing), or None for one-hot drafts."""
+    p = probabilities(target_logits, params)
+    uniforms = torch.rand(len(drafts), generator=gen, device=p.device).tolist() if drafts else []
+    for i, x in enumerate(drafts):
+        q_i = one_hot(x, p[i]) if q is None else q[i]
+        if uniforms[i] < accept_probability(float(p[i, x]), float(q_i[x])):
+            continue
+        return i, int(torch.multinomial(residual(p[i], q_i), 1, generator=gen))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Iterator
 
 from . import decode as decoding
+from . import speculative
+from .cache import common_prefix
 from .detokenize import IncrementalDecoder
 from .errors import BadRequest, EngineError
 from .events import Done, Stats, TextDelta
@@ -49,14 +51,6 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return encode(tokenizer, text, special)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class Chat:
     def __init__(self, engine, system: str | None = None):
         self.engine = engine
@@ -72,6 +66,8 @@ class Chat:
         self.last_stats: Stats | None = None
         self.last_done: Done | None = None
         self._cancel = threading.Event()
+        # Acceptance and pass costs are measured per chat: they depend on the text.
+        self.controller = engine.new_controller()
 
     # -- control from other threads
     def cancel(self) -> None:
@@ -130,12 +126,10 @@ class Chat:
             self.cached_ids = list(prompt)
             tracker.prefill_done()
             gen = make_generator(params, target.device)
-            passes = decoding.decode(target, first, params, gen, max_new_tokens, eng.stop_ids, self._cancel)
+            passes = speculative.generate(target, eng.drafter, self.controller, self.cached_ids, first, params, gen,
+                                          max_new_tokens, eng.stop_ids, self._cancel, tracker.rounds)
             for i, tokens in enumerate(passes):
                 tracker.pass_done(len(tokens), first=i == 0)
-                if i > 0:
-                    # The token before these ones is now in the cache.
-                    self.cached_ids.append(generated[-1])
                 generated.extend(tokens)
                 shown = [t for t in tokens if t not in eng.stop_ids]
                 delta = detok.push(shown) if shown else ""

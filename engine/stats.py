@@ -5,6 +5,7 @@ import time
 
 from . import hardware
 from .events import Stats
+from .speculative import RoundStats
 
 
 class StatsTracker:
@@ -17,6 +18,7 @@ class StatsTracker:
         self.decode_tokens = 0      # tokens produced by decode passes (the first comes from prefill)
         self.passes = 0
         self.decode_seconds = 0.0
+        self.rounds = RoundStats()  # drafted / accepted counts, filled by the decode loop
         self._t0 = time.perf_counter()
         self._last_emit = 0.0
 
@@ -55,6 +57,10 @@ class StatsTracker:
             decode_tps=self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
             forward_passes=self.passes,
             tokens_per_pass=self.decode_tokens / self.passes if self.passes else 0.0,
+            drafted_tokens=self.rounds.drafted,
+            accepted_tokens=self.rounds.accepted,
+            acceptance=self.rounds.accepted / self.rounds.drafted if self.rounds.drafted else 0.0,
+            draft_k=self.rounds.k,
             context_tokens=t.cache.length,
             context_max=t.max_positions,
             device_bytes=dev if dev is not None else t.device_bytes(),

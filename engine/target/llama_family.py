@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from ..cache import KVCache
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
+# Passes of up to this many tokens after position 0 attend row by row (see _attend_rowwise).
+ROWWISE_MAX = 32
 
 
 @dataclass
@@ -124,6 +126,15 @@ class LlamaFamilyForward:
         var = xf.pow(2).sum(-1, keepdim=True).div_(x.shape[-1])
         return w * (xf * torch.rsqrt(var.add_(self.eps))).to(x.dtype)
 
+    def _attend_rowwise(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
+        """Attention of a short pass (a verify pass) one query row at a time, each row
+        exactly the call a one-token step makes. The masked multi-row kernel rounds
+        differently, and a verified token must get the logits plain decoding gives it."""
+        rows = [F.scaled_dot_product_attention(q[:, :, r:r + 1], keys[:, :, :pos + r + 1], values[:, :, :pos + r + 1],
+                                               scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
+                for r in range(q.shape[2])]
+        return torch.cat(rows, 2)
+
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         # Hidden states stay 2-D [T, hidden]: a [1, T, hidden] input makes every linear
         # reshape on the way in and out, which is measurable at batch 1.
@@ -136,7 +147,8 @@ class LlamaFamilyForward:
         # Causal masking: from position 0 SDPA's is_causal is exact; a pass that starts
         # later (next turn, verify pass) needs the offset mask [T, pos+T].
         mask, causal = None, False
-        if T > 1:
+        rowwise = 1 < T <= ROWWISE_MAX and pos > 0
+        if T > 1 and not rowwise:
             if pos == 0:
                 causal = True
             else:
@@ -153,8 +165,11 @@ class LlamaFamilyForward:
             # Rotary embedding on q and k at once ([heads, T, D]), as rotate_half does.
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
             keys, values = self.cache.write(i, pos, qk[H:], qkv[:, H + KV:].transpose(0, 1))
-            o = F.scaled_dot_product_attention(qk[None, :H], keys, values, attn_mask=mask, is_causal=causal,
-                                               scale=self.scaling, enable_gqa=H != KV)
+            if rowwise:
+                o = self._attend_rowwise(qk[None, :H], keys, values, pos)
+            else:
+                o = F.scaled_dot_product_attention(qk[None, :H], keys, values, attn_mask=mask, is_causal=causal,
+                                                   scale=self.scaling, enable_gqa=H != KV)
             h = h + F.linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias)
             gu = F.linear(self._rms(h, w.ln2), w.gate_up)
             h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w.down)

@@ -1,0 +1,161 @@
+"""The decode loop: draft, verify, accept, roll back, adapt k.
+
+Each round feeds the target the last sampled token plus k drafted ones in ONE forward
+pass over k+1 positions, keeps the longest prefix the target agrees with and adds one
+token of the target's own (the correction, or a bonus when all k are kept). With k = 0
+the round is a plain decoding step, so one loop serves every drafter, `none` included.
+
+Greedy output is token for token what plain greedy decoding gives; sampled output has
+exactly the target's distribution (see sampling.verify_sampled).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .decode import decode_one_token
+from .sampling import SamplingParams, next_token, verify_greedy, verify_sampled
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """E[tokens per round] with k drafts accepted independently with probability a."""
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class DraftController:
+    """Chooses k before each round to maximise expected tokens per second:
+    E[tokens](a, k) / (k * t_draft + t_verify(k + 1)), from measurements of this chat:
+    a (moving acceptance rate), t_draft (seconds per drafted token) and t_verify(n)
+    (seconds of a target pass over n positions). k = 0 wins whenever drafting does not
+    pay, so speculation is never slower than plain decoding beyond noise."""
+
+    def __init__(self, max_draft: int = 8, fixed: int | None = None, prior_acceptance: float = 0.6,
+                 smoothing: float = 0.15, probe_every: int = 32):
+        self.max_draft = max_draft
+        self.fixed = fixed
+        self.a = prior_acceptance
+        self.alpha = smoothing
+        self.t_draft: float | None = None
+        self.t_pass: dict[int, float] = {}      # positions -> moving mean seconds
+        self.probe_every = probe_every
+        self._plain_streak = 0
+        self.k = fixed if fixed is not None else 0
+
+    # -- measurements
+    def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        if drafted:
+            rate = accepted / drafted
+            self.a += self.alpha * (rate - self.a)
+            per = draft_seconds / drafted
+            self.t_draft = per if self.t_draft is None else self.t_draft + self.alpha * (per - self.t_draft)
+        n = drafted + 1
+        old = self.t_pass.get(n)
+        self.t_pass[n] = verify_seconds if old is None else old + self.alpha * (verify_seconds - old)
+
+    def t_verify(self, n: int) -> float:
+        """Measured pass time over n positions; unmeasured n are interpolated linearly
+        between measured ones (a pass is weight-bound: nearly flat in n until compute-bound)."""
+        if n in self.t_pass:
+            return self.t_pass[n]
+        known = sorted(self.t_pass)
+        if not known:
+            return 1.0
+        lo = max((m for m in known if m < n), default=None)
+        hi = min((m for m in known if m > n), default=None)
+        if lo is not None and hi is not None:
+            w = (n - lo) / (hi - lo)
+            return self.t_pass[lo] * (1 - w) + self.t_pass[hi] * w
+        if lo is not None and len(known) >= 2:
+            a, b = known[-2], known[-1]
+            slope = max(0.0, (self.t_pass[b] - self.t_pass[a]) / (b - a))
+            return self.t_pass[lo] + slope * (n - lo)
+        # One point only: assume a wide pass costs 5% more per extra position until measured.
+        base = self.t_pass[known[0]]
+        return base * (1 + 0.05 * abs(n - known[0]))
+
+    # -- decision
+    def choose(self) -> int:
+        if self.fixed is not None:
+            self.k = self.fixed
+            return self.k
+        t_draft = self.t_draft if self.t_draft is not None else 0.0
+        best_k, best = 0, expected_tokens(self.a, 0) / self.t_verify(1)
+        for k in range(1, self.max_draft + 1):
+            rate = expected_tokens(self.a, k) / (k * t_draft + self.t_verify(k + 1))
+            if rate > best * 1.001:
+                best_k, best = k, rate
+        if best_k == 0:
+            # Keep measuring: the text may become easy to guess again.
+            self._plain_streak += 1
+            if self._plain_streak >= self.probe_every:
+                self._plain_streak = 0
+                best_k = min(2, self.max_draft)
+        else:
+            self._plain_streak = 0
+        self.k = best_k
+        return best_k
+
+
+class RoundStats:
+    """Counts of one answer, read by the stats tracker."""
+
+    def __init__(self):
+        self.drafted = 0
+        self.accepted = 0
+        self.rounds = 0
+        self.k = 0
+
+
+def generate(target, drafter, controller: DraftController, history: list[int], first_logits: torch.Tensor,
+             params: SamplingParams, gen: torch.Generator | None, max_new_tokens: int,
+             stop_ids: frozenset[int], cancel: threading.Event | None = None,
+             counts: RoundStats | None = None) -> Iterator[list[int]]:
+    """Yield the tokens of each target pass until a stop token, max_new_tokens or cancel.
+
+    `history` holds the tokens in the target's cache and is extended in place as tokens
+    are committed; the last yielded token is never fed back (the next turn starts with it).
+    """
+    counts = counts or RoundStats()
+    token = next_token(first_logits, params, gen)
+    yield [token]
+    produced = 1
+    while produced < max_new_tokens and token not in stop_ids:
+        if cancel is not None and cancel.is_set():
+            return
+        room = max_new_tokens - produced          # tokens we may still emit
+        k = min(controller.choose(), room - 1)
+        t0 = time.perf_counter()
+        drafts, q = drafter.propose(history + [token], k, params, gen) if k > 0 else ([], None)
+        t1 = time.perf_counter()
+        start = target.cache.length
+        if drafts:
+            logits = target.forward([token] + drafts, all_logits=True)
+            if params.greedy:
+                n, nxt = verify_greedy(logits, drafts)
+            else:
+                n, nxt = verify_sampled(logits, drafts, q, params, gen)
+            target.cache.rollback(start + 1 + n)    # forget the rejected drafts
+        else:
+            n, nxt = 0, next_token(decode_one_token(target, token), params, gen)
+        t2 = time.perf_counter()
+        controller.observe(len(drafts), n, t1 - t0, t2 - t1)
+        counts.rounds += 1
+        counts.drafted += len(drafts)
+        counts.accepted += n
+        counts.k = k
+        history.append(token)
+        out = drafts[:n] + [nxt]
+        for i, t in enumerate(out):
+            if t in stop_ids:                       # an accepted draft may end the answer
+                out = out[:i + 1]
+                break
+        history.extend(out[:-1])
+        target.cache.rollback(len(history))
+        produced += len(out)
+        token = out[-1]
+        yield out
