@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from textual import work
 from textual.app import App, ComposeResult
@@ -46,7 +47,8 @@ class ChatApp(App):
     """Chat with a local model. `load_engine` is called in a worker thread at start;
     it may raise `engine.EngineError`, which is shown and leaves the app open."""
 
-    CSS_PATH = "app.tcss"
+    # Absolute, so a subclass defined elsewhere (a test, a later screen) finds it too.
+    CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "localchat"
     AUTO_FOCUS = "#prompt"
     BINDINGS = [
@@ -125,6 +127,7 @@ class ChatApp(App):
         status.activity = ""
 
     async def _load_failed(self, message: str) -> None:
+        message = " ".join(message.split())      # one line, whatever the exception carried
         self.load_error = message
         status = self.status_bar
         status.activity = "no model loaded"

@@ -10,12 +10,13 @@ def human_bytes(n: int | float | None) -> str:
         return "–"
     value = float(n)
     for unit in _UNITS:
-        if value < 1000 or unit == _UNITS[-1]:
+        # Compare the figure as it will be printed: 999.7 kB shows as "1.0 MB", not "1000 kB".
+        if round(value, 1 if value < 10 else 0) < 1000 or unit == _UNITS[-1]:
             break
         value /= 1000
     if unit == "B":
         return f"{int(value)} B"
-    return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{value:.1f} {unit}" if round(value, 1) < 10 else f"{value:.0f} {unit}"
 
 
 def rate(tps: float | None) -> str:

@@ -26,6 +26,10 @@ class AssistantMessage(Vertical):
         margin: 0;
         padding: 0;
     }
+    /* Blocks are spaced by a bottom margin; the last one's would leave a blank line. */
+    AssistantMessage > Markdown > MarkdownBlock:last-child {
+        margin-bottom: 0;
+    }
     AssistantMessage > .note {
         display: none;
         height: auto;
