@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 
 import pytest
@@ -32,6 +33,23 @@ async def wait_for(pilot, condition, timeout: float = DEADLINE, what: str = "con
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         await pilot.pause(0.02)
+
+
+def record_notifications(app) -> list[str]:
+    """The messages of the app's notifications from now on (app.notify still runs)."""
+    seen: list[str] = []
+    notify = app.notify
+
+    def spy(message, *args, **kwargs):
+        seen.append(str(message))
+        return notify(message, *args, **kwargs)
+    app.notify = spy
+    return seen
+
+
+def first_answer(app) -> AssistantMessage | None:
+    replies = app.query(AssistantMessage)
+    return replies.first() if replies else None
 
 
 async def type_and_send(pilot, text: str) -> None:
@@ -76,7 +94,7 @@ def test_escape_stops_a_long_answer_and_keeps_the_partial_text(tiny_engine):
     """Esc shortly after the answer starts: the answer ends as 'cancelled', well before
     max tokens, with a 'stopped' note; the partial text stays on screen and in the engine."""
     tiny_engine.stop_ids = frozenset()       # no end-of-sequence: the answer runs to max tokens
-    max_tokens = 3000
+    max_tokens = 4000         # the tiny model holds 4096 positions; the prompt is ~25
     settings = Settings(max_tokens=max_tokens)
 
     async def main():
@@ -84,19 +102,9 @@ def test_escape_stops_a_long_answer_and_keeps_the_partial_text(tiny_engine):
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
             await type_and_send(pilot, "Tell me a long story.")
-            reply = None
-
-            def started():
-                nonlocal reply
-                replies = app.query(AssistantMessage)
-                reply = replies.first() if replies else None
-                return reply is not None and reply.text != ""
-            await wait_for(pilot, started, what="the answer to start")
-
-            # A second send while the answer is written is refused; the text stays in the box.
-            await type_and_send(pilot, "again")
-            assert len(app.query(UserMessage)) == 1, (app.chat.last_done and app.chat.last_done.reason, app.chat.last_done and len(app.chat.last_done.token_ids), app.generating)
-            assert app.query_one("#prompt").value == "again"
+            await wait_for(pilot, lambda: first_answer(app) and first_answer(app).text,
+                           what="the answer to start")
+            reply = first_answer(app)
 
             await pilot.press("escape")
             await wait_for(pilot, lambda: not app.generating, what="the answer to stop")
@@ -108,6 +116,44 @@ def test_escape_stops_a_long_answer_and_keeps_the_partial_text(tiny_engine):
             assert reply.note == "stopped"
             # The engine kept the partial answer in the conversation.
             assert app.chat.messages[-1] == {"role": "assistant", "content": done.text}
+
+    asyncio.run(main())
+
+
+def test_second_send_is_refused_while_answering(tiny_engine):
+    """While an answer is being written, Enter is refused with a notification and the
+    typed text stays in the box. The answer is held at its start by a gate so the
+    check does not depend on how fast the model is."""
+    gate = threading.Event()
+
+    def gated(send):
+        def send_after_gate(*args, **kwargs):
+            events = send(*args, **kwargs)
+
+            def held():
+                gate.wait(DEADLINE)
+                yield from events
+            return held()
+        return send_after_gate
+
+    async def main():
+        app = ChatApp(lambda: tiny_engine, Settings(max_tokens=8))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
+            app.chat.send = gated(app.chat.send)
+            notes = record_notifications(app)
+            await type_and_send(pilot, "first")
+            assert app.generating
+            await type_and_send(pilot, "second")
+            assert [u.text for u in app.query(UserMessage)] == ["first"]
+            assert app.query_one("#prompt").value == "second"
+            assert any("still being written" in n for n in notes), notes
+            gate.set()
+            await wait_for(pilot, lambda: not app.generating, what="the answer")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(app.query(UserMessage)) == 2, what="the second send")
+            await wait_for(pilot, lambda: not app.generating, what="the second answer")
+        gate.set()
 
     asyncio.run(main())
 
@@ -131,24 +177,86 @@ def test_ctrl_l_clears_the_view_and_the_conversation(tiny_engine):
     asyncio.run(main())
 
 
+def test_ctrl_l_mid_answer_stops_it_then_clears(tiny_engine):
+    """Ctrl+L while an answer streams: the answer is stopped first, then the view and the
+    engine's conversation are cleared (clearing under a running answer would race it)."""
+    tiny_engine.stop_ids = frozenset()
+
+    async def main():
+        app = ChatApp(lambda: tiny_engine, Settings(max_tokens=4000))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
+            await type_and_send(pilot, "Tell me a long story.")
+            await wait_for(pilot, lambda: first_answer(app) and first_answer(app).text,
+                           what="the answer to start")
+            await pilot.press("ctrl+l")
+            await wait_for(pilot, lambda: not app.generating and not app.conversation.children,
+                           what="the answer to stop and the view to clear")
+            assert app.chat.last_done.reason == "cancelled"
+            assert app.chat.messages == []
+
+    asyncio.run(main())
+
+
+def test_quitting_mid_answer_ends_the_generation(tiny_engine):
+    """Ctrl+Q while an answer streams: the app exits, and the generation thread stops at
+    its next step (the engine records 'cancelled') instead of running to max tokens."""
+    tiny_engine.stop_ids = frozenset()
+    max_tokens = 4000
+
+    async def main():
+        app = ChatApp(lambda: tiny_engine, Settings(max_tokens=max_tokens))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
+            await type_and_send(pilot, "Tell me a long story.")
+            await wait_for(pilot, lambda: first_answer(app) and first_answer(app).text,
+                           what="the answer to start")
+            await pilot.press("ctrl+q")
+        return app
+
+    app = asyncio.run(main())      # returns once the worker thread has finished too
+    assert not app.is_running
+    done = app.chat.last_done
+    assert done is not None and done.reason == "cancelled"
+    assert len(done.token_ids) < max_tokens
+
+
 def test_load_failure_is_shown_and_the_app_stays_open():
-    """A model that cannot be found: its message appears as one line in the conversation
-    and as a notification; the app keeps running and refuses to send."""
+    """While the model loads, the status bar says so and the input works; when loading
+    fails, its message appears as one line in the conversation and as a notification,
+    and the app keeps running and refuses to send."""
+    may_fail = threading.Event()
+
     def load():
+        may_fail.wait(DEADLINE)
         raise engine.ModelNotFound("x: not found")
 
     async def main():
         app = ChatApp(load, Settings())
+        notes = record_notifications(app)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: app.load_error is not None, what="the load to fail")
             await pilot.pause()
-            notices = list(app.query(Notice))
-            assert [n.text for n in notices] == ["x: not found"]
-            assert any(n.message == "x: not found" for n in app._notifications)
-            assert app.is_running and app.chat is None
-
+            assert "Loading model…" in app.status_bar.text
             await type_and_send(pilot, "hi")
             assert not app.query(UserMessage)
+            assert any("still loading" in n for n in notes), notes
+
+            may_fail.set()
+            await wait_for(pilot, lambda: app.load_error is not None, what="the load to fail")
+            await pilot.pause()
+            assert [n.text for n in app.query(Notice)] == ["x: not found"]
+            assert "x: not found" in notes
+            assert app.is_running and app.chat is None
+
+            await pilot.press("enter")     # "hi" is still in the box
+            assert not app.query(UserMessage)
             assert app.is_running
+        may_fail.set()
 
     asyncio.run(main())
+
+
+def test_status_bar_figures_are_short_and_readable():
+    from localchat.tui.format import human_bytes, rate
+    assert [human_bytes(n) for n in (999, 585e6, 1.3e9, 999_700)] == ["999 B", "585 MB", "1.3 GB", "1.0 MB"]
+    assert [rate(0.0), rate(71.67), rate(286.4)] == ["–", "71.7", "286"]
