@@ -86,13 +86,13 @@ def main() -> None:
     result = {"benchmark": "decode", "model": "SmolLM2-135M-Instruct (demo)", "tokens": args.tokens,
               "runs": args.runs, "machine": machine(), "rows": []}
     for dtype in args.dtypes.split(","):
-        eng = engine.open(dtype=dtype)
+        eng = engine.open(dtype=dtype, drafter="none")     # plain decoding: the speculative rows are elsewhere
         ids = torch.tensor([render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])])
         ref = AutoModelForCausalLM.from_pretrained(eng.checkpoint.path, dtype=eng.dtype).eval()
         hf = median(hf_generate(ref, ids, args.tokens, args.runs))
         fast = median(ours(eng, args.tokens, args.runs))
         del ref
-        generic = median(ours(engine.open(dtype=dtype, fast=False), args.tokens, args.runs))
+        generic = median(ours(engine.open(dtype=dtype, fast=False, drafter="none"), args.tokens, args.runs))
         row = {"dtype": dtype, "generate_tps": hf, "ours_tps": fast, "ours_generic_forward_tps": generic,
                "speedup_vs_generate": fast / hf, "generic_speedup_vs_generate": generic / hf}
         if dtype == "float32":

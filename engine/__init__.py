@@ -49,6 +49,22 @@ class Engine:
         self.max_draft = max_draft
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
 
+    def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
+                    cache_dir: Path | None = None, fast: bool = True) -> None:
+        """Choose who drafts: auto (model if `draft_model` is given, else ngram) | ngram | model | none.
+        A model drafter is loaded here and checked against the target's tokenizer."""
+        _check_drafter(kind, draft_model)
+        if kind == "none":
+            self.drafter = NoDrafter()
+        elif kind == "ngram" or (kind == "auto" and not draft_model):
+            self.drafter = NgramDrafter()
+        else:
+            dckpt = _checkpoint.resolve(draft_model, cache_dir)
+            dtok = _load_tokenizer(dckpt.path)
+            check_compatible(self.tokenizer, dtok, self.name, dckpt.name)
+            dtarget = load_resident(dckpt.path, self.device, _pick_dtype(dtype, self.device, dckpt.path), fast=fast)
+            self.drafter = ModelDrafter(dtarget, dckpt.name, self.target.vocab_size)
+
     def new_controller(self) -> DraftController:
         if self.drafter.kind == "none":
             return DraftController(max_draft=0, fixed=0)
@@ -80,10 +96,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
 
     drafter: auto (a model drafter if `draft_model` is given, else n-gram) | ngram | model | none.
     draft_tokens: a fixed number of drafted tokens per round; None adapts it as the chat runs."""
-    if drafter not in DRAFTERS:
-        raise BadRequest(f"--drafter {drafter}: use one of {', '.join(DRAFTERS)}")
-    if drafter == "model" and not draft_model:
-        raise BadRequest("--drafter model needs --draft-model PATH_OR_REPO")
+    _check_drafter(drafter, draft_model)      # before loading anything: fail fast
     if draft_tokens is not None and not 0 <= draft_tokens <= 64:
         raise BadRequest(f"--draft-tokens {draft_tokens}: must be between 0 and 64")
     if not 0 <= max_draft <= 64:
@@ -94,17 +107,16 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     dt = _pick_dtype(dtype, dev, ckpt.path)
     tokenizer = _load_tokenizer(ckpt.path)
     target = load_resident(ckpt.path, dev, dt, fast=fast)
-    if drafter == "none":
-        draft = NoDrafter()
-    elif drafter == "ngram" or (drafter == "auto" and not draft_model):
-        draft = NgramDrafter()
-    else:
-        dckpt = _checkpoint.resolve(draft_model, cache_dir)
-        dtok = _load_tokenizer(dckpt.path)
-        check_compatible(tokenizer, dtok, ckpt.name, dckpt.name)
-        dtarget = load_resident(dckpt.path, dev, _pick_dtype(dtype, dev, dckpt.path), fast=fast)
-        draft = ModelDrafter(dtarget, dckpt.name, target.vocab_size)
-    return Engine(ckpt, tokenizer, target, draft, max_draft=max_draft, draft_tokens=draft_tokens)
+    eng = Engine(ckpt, tokenizer, target, max_draft=max_draft, draft_tokens=draft_tokens)
+    eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast)
+    return eng
+
+
+def _check_drafter(kind: str, draft_model: str | None) -> None:
+    if kind not in DRAFTERS:
+        raise BadRequest(f"--drafter {kind}: use one of {', '.join(DRAFTERS)}")
+    if kind == "model" and not draft_model:
+        raise BadRequest("--drafter model needs --draft-model PATH_OR_REPO")
 
 
 def _pick_dtype(dtype: str | None, dev, path: Path):

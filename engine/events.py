@@ -27,6 +27,7 @@ class Stats:
     accepted_tokens: int = 0        # ... and the target kept
     acceptance: float = 0.0
     draft_k: int = 0                # the draft length of the last round
+    predicted_tokens_per_pass: float = 0.0   # (1 - a^(k+1)) / (1 - a) over the rounds run
     context_tokens: int = 0         # tokens held in the KV cache
     context_max: int = 0
     device_bytes: int = 0           # bytes the engine holds on the device (weights + KV cache)

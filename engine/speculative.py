@@ -109,6 +109,14 @@ class RoundStats:
         self.accepted = 0
         self.rounds = 0
         self.k = 0
+        self.drafted_hist: dict[int, int] = {}     # rounds by number of drafted tokens
+
+    def expected_tokens_per_pass(self) -> float:
+        """What the formula predicts for these rounds from their measured acceptance."""
+        if not self.rounds:
+            return 0.0
+        a = self.accepted / self.drafted if self.drafted else 0.0
+        return sum(n * expected_tokens(a, k) for k, n in self.drafted_hist.items()) / self.rounds
 
 
 def generate(target, drafter, controller: DraftController, history: list[int], first_logits: torch.Tensor,
@@ -148,6 +156,7 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
         counts.drafted += len(drafts)
         counts.accepted += n
         counts.k = k
+        counts.drafted_hist[len(drafts)] = counts.drafted_hist.get(len(drafts), 0) + 1
         history.append(token)
         out = drafts[:n] + [nxt]
         for i, t in enumerate(out):

@@ -61,6 +61,7 @@ class StatsTracker:
             accepted_tokens=self.rounds.accepted,
             acceptance=self.rounds.accepted / self.rounds.drafted if self.rounds.drafted else 0.0,
             draft_k=self.rounds.k,
+            predicted_tokens_per_pass=self.rounds.expected_tokens_per_pass(),
             context_tokens=t.cache.length,
             context_max=t.max_positions,
             device_bytes=dev if dev is not None else t.device_bytes(),

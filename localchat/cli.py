@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from . import __version__
 from . import config as config_mod
@@ -14,36 +14,54 @@ from . import config as config_mod
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="localchat",
-        description="Chat with a language model on this machine. With no prompt and a terminal, "
-                    "opens the chat UI; with a prompt (arguments and/or stdin) prints the answer.",
-        epilog="examples:  localchat   |   localchat \"Why is the sky blue?\"   |   "
-               "echo \"Summarise this\" | localchat --stats")
-    p.add_argument("prompt", nargs="*", help="the question (one-shot mode); stdin text comes first")
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that say which model runs and how: shared by chat, one-shot and bench."""
     p.add_argument("--model", "-m", metavar="PATH_OR_REPO",
                    help="model directory, .gguf file or Hugging Face repo id (default: the demo model)")
+    p.add_argument("--device", metavar="DEV", help="cpu, cuda, cuda:1, mps (default: auto)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
+    spec = p.add_argument_group("speculative decoding (never changes the answer)")
+    spec.add_argument("--drafter", choices=["auto", "ngram", "model", "none"],
+                      help="who proposes tokens: ngram (prompt lookup, free), model (--draft-model), none; "
+                           "auto = model if --draft-model is given, else ngram")
+    spec.add_argument("--draft-model", metavar="PATH_OR_REPO",
+                      help="a small model with the same tokenizer as --model, used as the drafter")
+    spec.add_argument("--draft-tokens", type=int, metavar="K",
+                      help="draft exactly K tokens per round (default: adapt K to measured acceptance and costs)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", "-s", metavar="TEXT", help="system message")
     p.add_argument("--max-tokens", "-n", type=int, metavar="N", help="most tokens to generate (default 1024)")
     p.add_argument("--temperature", "-t", type=float, metavar="T", help="0 = greedy (default), higher = more random")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass, (0, 1]")
     p.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, metavar="N", help="random seed for sampling")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="localchat",
+        description="Chat with a language model on this machine. With no prompt and a terminal, "
+                    "opens the chat UI; with a prompt (arguments and/or stdin) prints the answer. "
+                    "`localchat bench --help` measures speculative decoding on this machine.",
+        epilog="examples:  localchat   |   localchat \"Why is the sky blue?\"   |   "
+               "echo \"Summarise this\" | localchat --stats")
+    p.add_argument("prompt", nargs="*", help="the question (one-shot mode); stdin text comes first")
+    add_model_flags(p)
+    add_sampling_flags(p)
     p.add_argument("--stats", action="store_true", help="print one line of statistics on stderr")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token ids, finish reason, stats) instead of text")
-    p.add_argument("--device", metavar="DEV", help="cpu, cuda, cuda:1, mps (default: auto)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
     p.add_argument("--version", action="version", version=f"localchat {__version__}")
     return p
 
 
 def settings_from(args: argparse.Namespace, base: config_mod.Settings) -> config_mod.Settings:
-    flags = {"model": args.model, "system": args.system, "max_tokens": args.max_tokens,
-             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-             "seed": args.seed, "device": args.device, "dtype": args.dtype}
+    """Flags given on the command line override the configured settings."""
+    names = [f.name for f in fields(config_mod.Settings)]
+    flags = {name: getattr(args, name, None) for name in names}
     return replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
@@ -56,6 +74,10 @@ def check_flags(s: config_mod.Settings) -> str | None:
         return f"--top-p {s.top_p}: must be in (0, 1]"
     if s.top_k < 0:
         return f"--top-k {s.top_k}: must be 0 (off) or more"
+    if s.draft_tokens is not None and not 0 <= s.draft_tokens <= 64:
+        return f"--draft-tokens {s.draft_tokens}: must be between 0 and 64"
+    if s.drafter == "model" and not s.draft_model:
+        return "--drafter model needs --draft-model PATH_OR_REPO"
     return None
 
 
@@ -73,9 +95,8 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+def load_settings(args: argparse.Namespace) -> config_mod.Settings | None:
+    """Config file and environment, then flags; None (after saying why) if a flag is bad."""
     base, warnings = config_mod.load()
     for w in warnings:
         error(w)
@@ -83,6 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     problem = check_flags(settings)
     if problem:
         error(problem)
+        return None
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from .bench import bench_main
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    settings = load_settings(args)
+    if settings is None:
         return EXIT_USAGE
     quiet_libraries()
     interactive = not args.prompt and sys.stdin.isatty() and sys.stdout.isatty()
@@ -99,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def open_engine(settings: config_mod.Settings):
     import engine
-    return engine.open(settings.model, device=settings.device, dtype=settings.dtype)
+    return engine.open(settings.model, device=settings.device, dtype=settings.dtype, drafter=settings.drafter,
+                       draft_model=settings.draft_model, draft_tokens=settings.draft_tokens)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ class Settings:
     seed: int | None = None
     device: str = "auto"
     dtype: str | None = None          # None = auto
+    drafter: str = "auto"             # auto | ngram | model | none
+    draft_model: str | None = None    # the drafter checkpoint for drafter = model (or auto)
+    draft_tokens: int | None = None   # a fixed draft length; None = adaptive
     theme: str = "textual-dark"
 
 

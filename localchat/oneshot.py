@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from .format import human_bytes
 from .cli import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error, open_engine
 
 
@@ -26,17 +27,12 @@ def read_prompt(args_prompt: list[str], stdin=None) -> tuple[str, bool]:
 
 def format_stats(s) -> str:
     peak = s.peak_host_bytes or s.host_bytes
-    return (f"{s.prompt_tokens} prompt tokens ({s.prefill_tokens} prefilled) · prefill {s.prefill_tps:.1f} tok/s · "
-            f"decode {s.decode_tps:.1f} tok/s · {s.generated_tokens} tokens · "
-            f"{s.tokens_per_pass:.2f} tok/pass · peak memory {human_bytes(peak)}")
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
+    line = (f"{s.prompt_tokens} prompt tokens ({s.prefill_tokens} prefilled) · prefill {s.prefill_tps:.1f} tok/s · "
+            f"decode {s.decode_tps:.1f} tok/s · {s.generated_tokens} tokens · {s.tokens_per_pass:.2f} tok/pass")
+    if s.drafted_tokens:
+        line += (f" · drafted {s.drafted_tokens}, accepted {s.accepted_tokens} ({s.acceptance:.0%}) · "
+                 f"k {s.draft_k}")
+    return line + f" · peak memory {human_bytes(peak)}"
 
 
 def run_oneshot(args, settings) -> int:

@@ -257,6 +257,6 @@ def test_load_failure_is_shown_and_the_app_stays_open():
 
 
 def test_status_bar_figures_are_short_and_readable():
-    from localchat.tui.format import human_bytes, rate
+    from localchat.format import human_bytes, rate
     assert [human_bytes(n) for n in (999, 585e6, 1.3e9, 999_700)] == ["999 B", "585 MB", "1.3 GB", "1.0 MB"]
     assert [rate(0.0), rate(71.67), rate(286.4)] == ["–", "71.7", "286"]

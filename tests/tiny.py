@@ -20,7 +20,7 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 400):
+def build_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -29,7 +29,7 @@ def build_tokenizer(vocab_size: int = 400):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.train_from_iterator((corpus or CORPUS) * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    unk_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE

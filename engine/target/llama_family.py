@@ -25,13 +25,16 @@ ROWWISE_MAX = 32
 
 @dataclass
 class LayerWeights:
+    # Linear weights are kept as transposed views [in, out]: `x @ w` through torch.mm is
+    # the very kernel call F.linear makes, without its dispatch layers (linear -> matmul
+    # -> t -> mm), which cost more than a small matrix-vector product's launch.
     ln1: torch.Tensor
-    qkv: torch.Tensor                 # [(H + 2*KV) * D, hidden]
+    qkv: torch.Tensor                 # [hidden, (H + 2*KV) * D]
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
     ln2: torch.Tensor
-    gate_up: torch.Tensor             # [2 * intermediate, hidden]
+    gate_up: torch.Tensor             # [hidden, 2 * intermediate]
     down: torch.Tensor
     q_norm: torch.Tensor | None = None   # Qwen3: RMSNorm over each head before rotary
     k_norm: torch.Tensor | None = None
@@ -60,6 +63,11 @@ def can_run(model) -> str | None:
     return None
 
 
+def _linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes."""
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
 class LlamaFamilyForward:
     def __init__(self, model, cache: KVCache):
         cfg = model.config
@@ -73,10 +81,11 @@ class LlamaFamilyForward:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.head = model.lm_head.weight
+        self.head = model.lm_head.weight.t()
         self.rotary = inner.rotary_emb
         self.layers = [self._take_layer(layer) for layer in inner.layers]
         self._cos = self._sin = None
+        self._scalar_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def _take_layer(layer) -> LayerWeights:
@@ -85,12 +94,12 @@ class LlamaFamilyForward:
         qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
         w = LayerWeights(
             ln1=layer.input_layernorm.weight,
-            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t(),
             qkv_bias=qkv_bias,
-            o=a.o_proj.weight, o_bias=a.o_proj.bias,
+            o=a.o_proj.weight.t(), o_bias=a.o_proj.bias,
             ln2=layer.post_attention_layernorm.weight,
-            gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-            down=m.down_proj.weight,
+            gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).t(),
+            down=m.down_proj.weight.t(),
             q_norm=getattr(getattr(a, "q_norm", None), "weight", None),
             k_norm=getattr(getattr(a, "k_norm", None), "weight", None),
         )
@@ -102,7 +111,7 @@ class LlamaFamilyForward:
 
     def weight_tensors(self) -> list[torch.Tensor]:
         out = [self.embed, self.norm]
-        if self.head.data_ptr() != self.embed.data_ptr():
+        if self.head.data_ptr() != self.embed.data_ptr():   # tied embeddings count once
             out.append(self.head)
         for w in self.layers:
             out += [t for t in vars(w).values() if t is not None]
@@ -121,10 +130,20 @@ class LlamaFamilyForward:
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # The reference's RMSNorm (float32 statistics). sum/n is bit-identical to mean()
-        # and skips mean's dtype bookkeeping, which costs more than the sum at this size.
+        # and skips mean's dtype bookkeeping, which costs more than the sum at this size;
+        # n and eps as 0-dim tensors skip wrapping a Python scalar on every call.
         xf = x.float()
-        var = xf.pow(2).sum(-1, keepdim=True).div_(x.shape[-1])
-        return w * (xf * torch.rsqrt(var.add_(self.eps))).to(x.dtype)
+        n, eps = self._scalars(x.shape[-1], xf.device)
+        var = xf.pow(2).sum(-1, keepdim=True).div_(n)
+        return w * (xf * torch.rsqrt(var.add_(eps))).to(x.dtype)
+
+    def _scalars(self, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self._scalar_cache.get(width)
+        if got is None:
+            got = (torch.tensor(float(width), dtype=torch.float32, device=device),
+                   torch.tensor(self.eps, dtype=torch.float32, device=device))
+            self._scalar_cache[width] = got
+        return got
 
     def _attend_rowwise(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
         """Attention of a short pass (a verify pass) one query row at a time, each row
@@ -156,7 +175,7 @@ class LlamaFamilyForward:
                 mask = torch.arange(pos + T, device=h.device).view(1, pos + T) <= q_pos
         for i, w in enumerate(self.layers):
             x = self._rms(h, w.ln1)
-            qkv = F.linear(x, w.qkv, w.qkv_bias).view(T, H + 2 * KV, D)
+            qkv = _linear(x, w.qkv, w.qkv_bias).view(T, H + 2 * KV, D)
             if w.q_norm is not None:
                 qk = torch.cat([self._rms(qkv[:, :H], w.q_norm), self._rms(qkv[:, H:H + KV], w.k_norm)], 1)
                 qk = qk.transpose(0, 1)
@@ -170,9 +189,9 @@ class LlamaFamilyForward:
             else:
                 o = F.scaled_dot_product_attention(qk[None, :H], keys, values, attn_mask=mask, is_causal=causal,
                                                    scale=self.scaling, enable_gqa=H != KV)
-            h = h + F.linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias)
-            gu = F.linear(self._rms(h, w.ln2), w.gate_up)
-            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w.down)
+            h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias)
+            gu = torch.mm(self._rms(h, w.ln2), w.gate_up)
+            h = h + torch.mm(F.silu(gu[:, :inter]) * gu[:, inter:], w.down)
         if not all_logits:
             h = h[-1:]
-        return F.linear(self._rms(h, self.norm), self.head).float()
+        return torch.mm(self._rms(h, self.norm), self.head).float()

@@ -1,6 +1,6 @@
 """One line at the bottom: what is loaded, how fast it runs, how full the context is, memory.
 
-    SmolLM2-135M │ prefill 377 tok/s │ decode 71.7 tok/s │ ctx 70/8192 │ mem 585 MB dev · 1.3 GB host
+    SmolLM2-135M │ prefill 377 tok/s │ decode 71.7 tok/s │ 1.62 tok/pass · accept 41% · k 3 │ ctx 70/8192 │ mem …
 
 Fed from the engine's `Stats` events while an answer streams (the engine sends one at
 most every 0.25 s), so the figures move live."""
@@ -12,7 +12,7 @@ from textual.widget import Widget
 
 from engine import Stats
 
-from ..format import human_bytes, rate
+from ...format import human_bytes, rate
 
 _SEP = " │ "
 
@@ -48,6 +48,12 @@ class StatusBar(Widget):
         fields = [
             f"prefill {rate(s.prefill_tps)} tok/s",
             f"decode {rate(s.decode_tps)} tok/s",
+        ]
+        if s.drafted_tokens:
+            # Speculative decoding at work: tokens each target pass adds, how many drafts
+            # the target kept, and the draft length chosen for the last round.
+            fields.append(f"{s.tokens_per_pass:.2f} tok/pass · accept {s.acceptance:.0%} · k {s.draft_k}")
+        fields += [
             f"ctx {s.context_tokens}/{s.context_max or self.context_max or '?'}",
         ]
         if self.stats is not None:

@@ -1,4 +1,4 @@
-"""Short human-readable figures for the status bar (and later the gauges panel)."""
+"""Short human-readable figures for the status bar, the gauges and --stats."""
 from __future__ import annotations
 
 _UNITS = ("B", "kB", "MB", "GB", "TB")

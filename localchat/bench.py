@@ -1,0 +1,132 @@
+"""`localchat bench`: measure speculative decoding on this machine, for your model and
+your text. For each workload, plain decoding against each available drafter: decode
+tok/s, tokens per target pass, acceptance, speed-up, and whether the output was
+identical (greedy, so it must be)."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from importlib import resources
+from pathlib import Path
+
+from .cli import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, error, load_settings, open_engine,
+                  quiet_libraries)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="localchat bench", description=__doc__)
+    add_model_flags(p)
+    p.add_argument("--workloads", metavar="FILE",
+                   help="JSONL, one {\"id\", \"kind\", \"prompt\"} per line (default: a built-in set of "
+                        "code, prose and copy-heavy tasks)")
+    p.add_argument("--max-tokens", "-n", type=int, default=128, metavar="N", help="tokens per answer (default 128)")
+    p.add_argument("--runs", type=int, default=1, metavar="R", help="runs per measurement; the median is kept")
+    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    return p
+
+
+def load_workloads(path: str | None) -> list[dict]:
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--workloads {path}: cannot read ({exc})") from None
+        source = path
+    else:
+        text = resources.files("localchat").joinpath("data/workloads.jsonl").read_text(encoding="utf-8")
+        source = "built-in workloads"
+    items = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            if not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+                raise ValueError("no \"prompt\" text")
+        except (ValueError, AttributeError) as exc:
+            raise ValueError(f"{source} line {n}: not a workload ({exc}); "
+                             "expected {\"id\": ..., \"kind\": ..., \"prompt\": ...}") from None
+        items.append({"id": str(item.get("id", f"#{n}")), "kind": str(item.get("kind", "")),
+                      "prompt": item["prompt"]})
+    if not items:
+        raise ValueError(f"{source}: no workloads in it")
+    return items
+
+
+def measure(eng, prompt: str, max_tokens: int, runs: int) -> dict:
+    results = []
+    for _ in range(runs):
+        chat = eng.chat()
+        list(chat.send(prompt, max_new_tokens=max_tokens))
+        s = chat.last_stats
+        results.append({"decode_tps": s.decode_tps, "tokens_per_pass": s.tokens_per_pass,
+                        "acceptance": s.acceptance, "predicted_tokens_per_pass": s.predicted_tokens_per_pass,
+                        "tokens": s.generated_tokens, "token_ids": list(chat.last_done.token_ids)})
+    best = sorted(results, key=lambda r: r["decode_tps"])[len(results) // 2]
+    best["decode_tps"] = statistics.median(r["decode_tps"] for r in results)
+    return best
+
+
+def bench_main(argv: list[str]) -> int:
+    import engine
+
+    args = build_parser().parse_args(argv)
+    if args.max_tokens <= 1 or args.runs < 1:
+        error("--max-tokens must be at least 2 and --runs at least 1")
+        return EXIT_USAGE
+    try:
+        workloads = load_workloads(args.workloads)
+    except ValueError as exc:
+        error(str(exc))
+        return EXIT_USAGE
+    settings = load_settings(args)
+    if settings is None:
+        return EXIT_USAGE
+    quiet_libraries()
+    try:
+        eng = open_engine(settings)
+    except engine.EngineError as exc:
+        error(str(exc))
+        return EXIT_USAGE
+    drafters = ["ngram"] + (["model"] if settings.draft_model else [])
+    rows = []
+    print(f"{eng.name} · {eng.describe()['dtype']} · {eng.device} · {args.max_tokens} tokens, greedy, "
+          f"median of {args.runs}", file=sys.stderr)
+    header = f"{'workload':<18} {'kind':<6} {'plain tok/s':>11}"
+    for d in drafters:
+        header += f" │ {d + ' tok/s':>12} {'speed-up':>8} {'tok/pass':>8} {'accept':>6} {'same':>4}"
+    print(header)
+    try:
+        for w in workloads:
+            eng.set_drafter("none")
+            plain = measure(eng, w["prompt"], args.max_tokens, args.runs)
+            row = {"id": w["id"], "kind": w["kind"], "plain": _public(plain)}
+            line = f"{w['id'][:18]:<18} {w['kind'][:6]:<6} {plain['decode_tps']:>11.1f}"
+            for d in drafters:
+                eng.set_drafter(d, settings.draft_model, dtype=settings.dtype)
+                r = measure(eng, w["prompt"], args.max_tokens, args.runs)
+                r["speedup"] = r["decode_tps"] / plain["decode_tps"] if plain["decode_tps"] else 0.0
+                r["identical"] = r["token_ids"] == plain["token_ids"]
+                row[d] = _public(r)
+                line += (f" │ {r['decode_tps']:>12.1f} {r['speedup']:>7.2f}× {r['tokens_per_pass']:>8.2f} "
+                         f"{r['acceptance']:>6.0%} {'yes' if r['identical'] else 'NO':>4}")
+            print(line, flush=True)
+            rows.append(row)
+    except KeyboardInterrupt:
+        error("interrupted")
+        return 130
+    except engine.EngineError as exc:
+        error(str(exc))
+        return EXIT_FAIL
+    if args.json:
+        out = {"model": eng.name, "engine": eng.describe(), "max_tokens": args.max_tokens, "runs": args.runs,
+               "workloads": rows}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return EXIT_OK if all(r[d]["identical"] for r in rows for d in drafters) else EXIT_FAIL
+
+
+def _public(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "token_ids"}

@@ -1,0 +1,220 @@
+"""Speculative decoding never changes the answer: greedy output is plain greedy output
+token for token, sampled output has the target's distribution; caches always hold
+exactly the committed tokens; the draft length adapts to what pays."""
+import math
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+import engine
+from engine import speculative
+from engine.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from engine.sampling import SamplingParams, accept_probability, residual, verify_sampled
+from engine.speculative import DraftController, expected_tokens
+from engine.target.resident import load_resident
+
+PROMPTS = ["Why is the sky blue?", "def fib(n):\n    return n if n < 2 else fib(n - 1)", "Café 東京 🙂 for i in range(10):"]
+
+
+class ScriptedDrafter:
+    """Proposes from a known answer: the truth (always right) or the truth + 1 (always wrong)."""
+    kind = "scripted"
+
+    def __init__(self, answer: list[int], prompt_len: int, vocab: int, wrong: bool):
+        self.answer, self.prompt_len, self.vocab, self.wrong = answer, prompt_len, vocab, wrong
+
+    def propose(self, history, k, params=None, gen=None):
+        at = len(history) - self.prompt_len      # answer tokens already in history
+        out = self.answer[at:at + k]
+        return ([(t + 1) % self.vocab for t in out] if self.wrong else out), None
+
+
+def answer(eng, prompt, n=48, **kw):
+    chat = eng.chat()
+    done = list(chat.send(prompt, max_new_tokens=n, **kw))[-1]
+    return done, chat.last_stats
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama):
+    return engine.open(str(tiny_llama), drafter="none")
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8, None])
+@pytest.mark.parametrize("kind", ["ngram", "self"])
+def test_greedy_identity_for_every_k(tiny_engine, tiny_llama, k, kind):
+    eng = tiny_engine
+    plain = [answer(eng, p)[0].token_ids for p in PROMPTS]
+    if kind == "ngram":
+        eng.drafter = NgramDrafter()
+    else:   # the target as its own drafter: every draft is accepted
+        eng.drafter = ModelDrafter(load_resident(tiny_llama, eng.device, eng.dtype), "self", eng.target.vocab_size)
+    eng.draft_tokens, eng.max_draft = k, 8
+    try:
+        for p, want in zip(PROMPTS, plain):
+            done, stats = answer(eng, p)
+            assert done.token_ids == want
+            if kind == "self" and k is not None and done.reason == "length":
+                assert stats.acceptance == 1.0
+                assert stats.forward_passes == math.ceil((len(want) - 1) / (k + 1))
+    finally:
+        eng.drafter, eng.draft_tokens = NoDrafter(), None
+
+
+@pytest.mark.parametrize("wrong", [True, False])
+def test_scripted_drafter_always_wrong_or_right(tiny_engine, wrong):
+    eng = tiny_engine
+    eng.stop_ids = frozenset()
+    try:
+        prompt = PROMPTS[0]
+        want, plain_stats = answer(eng, prompt, n=40)
+        from engine.session import render_prompt
+        plen = len(render_prompt(eng.tokenizer, [{"role": "user", "content": prompt}]))
+        eng.drafter = ScriptedDrafter(list(want.token_ids), plen, eng.target.vocab_size, wrong)
+        eng.draft_tokens = 4
+        done, stats = answer(eng, prompt, n=40)
+        assert done.token_ids == want.token_ids
+        if wrong:
+            assert stats.tokens_per_pass == 1.0 and stats.accepted_tokens == 0 and stats.drafted_tokens > 0
+        else:
+            assert stats.acceptance == 1.0 and stats.forward_passes == math.ceil(39 / 5)
+    finally:
+        eng.drafter, eng.draft_tokens = NoDrafter(), None
+        eng.stop_ids = engine.open.__globals__["_stop_ids"](eng.checkpoint.path, eng.tokenizer)
+
+
+def test_caches_hold_exactly_the_committed_tokens(tiny_llama):
+    """After every round the target's and the drafter's caches hold the committed tokens."""
+    eng = engine.open(str(tiny_llama), drafter="none")
+    drafter = ModelDrafter(load_resident(tiny_llama, eng.device, eng.dtype, fast=False), "generic",
+                           eng.target.vocab_size)
+    ids = eng.tokenizer("Hello there, how are you?")["input_ids"]
+    history = list(ids)
+    first = eng.target.forward(ids)[-1]
+    ctl = DraftController(max_draft=6)
+    params = SamplingParams(temperature=0.8, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    rounds = 0
+    for out in speculative.generate(eng.target, drafter, ctl, history, first, params, gen, 80, frozenset()):
+        rounds += 1
+        assert eng.target.cache.length == len(history)
+        assert drafter.target.cache.length == len(drafter.ids)
+        assert drafter.ids == history[:len(drafter.ids)] or rounds == 1
+    assert len(history) > len(ids) + 40
+
+
+def test_long_chat_same_text_with_speculation(tiny_llama):
+    plain = engine.open(str(tiny_llama), drafter="none")
+    spec = engine.open(str(tiny_llama), drafter="ngram", draft_tokens=3)
+    a, b = plain.chat(system="Be brief."), spec.chat(system="Be brief.")
+    for q in ["Why is the sky blue?", "Tell me more.", "def fib(n):", "Again, shorter."]:
+        ta = list(a.send(q, max_new_tokens=30))[-1]
+        tb = list(b.send(q, max_new_tokens=30))[-1]
+        assert ta.token_ids == tb.token_ids and ta.text == tb.text
+
+
+# ---------------------------------------------------------------- the acceptance rule
+
+def emission(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Probability that the first emitted token is x, through the engine's own rule:
+    draft x ~ q, kept with accept_probability, else replaced from residual(p, q)."""
+    keep = torch.tensor([q[x] * accept_probability(float(p[x]), float(q[x])) for x in range(len(p))],
+                        dtype=torch.float64)
+    return keep + (1 - keep.sum()) * residual(p, q)
+
+
+def test_acceptance_rule_gives_exactly_p():
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(emission(p, q), p, rtol=0, atol=1e-15)
+    # The same by hand in exact fractions: A kept always (p > q), B always, C with 2/5;
+    # rejection mass 3/10 goes to norm(max(0, p - q)) = (1, 0, 0).
+    P, Q = [Fraction(1, 2), Fraction(3, 10), Fraction(1, 5)], [Fraction(1, 5), Fraction(3, 10), Fraction(1, 2)]
+    kept = [Q[i] * min(1, P[i] / Q[i]) for i in range(3)]
+    assert [accept_probability(float(P[i]), float(Q[i])) for i in range(3)] == [1.0, 1.0, 0.4]
+    assert [kept[0] + (1 - sum(kept)), kept[1], kept[2]] == P
+
+
+def test_acceptance_rule_on_random_distributions():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        n = int(torch.randint(2, 12, (1,), generator=g))
+        p = torch.rand(n, generator=g, dtype=torch.float64) ** 3
+        q = torch.rand(n, generator=g, dtype=torch.float64) ** 3
+        p, q = p / p.sum(), q / q.sum()
+        torch.testing.assert_close(emission(p, q), p, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_sampled_first_token_follows_p(one_hot):
+    """50,000 first tokens through the real verification path; chi-square against p."""
+    p = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04])
+    q = torch.tensor([0.05, 0.1, 0.15, 0.2, 0.2, 0.3])
+    logits = torch.log(p).expand(2, -1).clone()           # the target's two positions
+    params = SamplingParams(temperature=1.0, seed=0)
+    gen = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(len(p))
+    N = 50_000
+    drafts = torch.multinomial(q, N, replacement=True, generator=gen).tolist()
+    for x in drafts:
+        if one_hot:    # n-gram style: a fixed proposal (here token 3), q one-hot
+            n, nxt = verify_sampled(logits, [3], None, params, gen)
+            first = 3 if n == 1 else nxt
+        else:
+            n, nxt = verify_sampled(logits, [x], q.view(1, -1), params, gen)
+            first = x if n == 1 else nxt
+        counts[first] += 1
+    expected = p * N
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.52, (chi2, counts / N)       # df = 5, p = 0.001
+
+
+@pytest.mark.parametrize("a,k", [(0.3, 1), (0.5, 3), (0.8, 4), (0.9, 8), (0.6, 6)])
+def test_expected_tokens_matches_simulation(a, k):
+    rng = random.Random(42)
+    rounds, total = 100_000, 0
+    for _ in range(rounds):
+        n = 0
+        while n < k and rng.random() < a:
+            n += 1
+        total += n + 1
+    assert abs(total / rounds - expected_tokens(a, k)) / expected_tokens(a, k) < 0.02
+
+
+def test_controller_picks_plain_decoding_when_drafting_does_not_pay():
+    c = DraftController(max_draft=8, prior_acceptance=0.3)
+    for n in range(1, 10):
+        c.t_pass[n] = 0.01 * n            # compute-bound: each position costs a full step
+    c.t_draft = 0.0
+    assert c.choose() == 0
+    c.t_pass = {n: 0.01 * (1 + 0.02 * (n - 1)) for n in range(1, 10)}    # weight-bound: nearly flat
+    c.a = 0.8
+    assert c.choose() >= 4
+
+
+def test_controller_probes_again_after_a_plain_streak():
+    c = DraftController(max_draft=8, prior_acceptance=0.05, probe_every=4)
+    c.t_pass = {n: 0.01 * n for n in range(1, 10)}
+    c.t_draft = 0.001
+    ks = [c.choose() for _ in range(8)]
+    assert ks.count(0) == 6 and ks[3] > 0 and ks[7] > 0
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    d = NgramDrafter(max_n=3)
+    history = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 0, 2, 3]
+    assert d.propose(history, 3)[0] == [7, 8, 0]          # "2 3" most recently followed by 7 8 0
+    history = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    assert d.propose(history, 3)[0] == [4, 5, 9]          # the longer match "1 2 3" wins
+    assert d.propose([5, 6, 7], 2) == ([], None)          # nothing repeats
+    assert d.propose(history, 0) == ([], None)
+
+
+def test_drafter_with_another_tokenizer_is_refused(tiny_llama, tmp_path):
+    from tiny import build_model, build_tokenizer
+    other_tok = build_tokenizer(corpus=["zebra quokka " * 5, "xylophone jazz " * 5, "0123456789 " * 3])
+    other = build_model(tmp_path / "other", "llama", tokenizer=other_tok)
+    with pytest.raises(engine.BadRequest, match="does not share the tokenizer"):
+        engine.open(str(tiny_llama), drafter="model", draft_model=str(other))
