@@ -35,7 +35,7 @@ class DraftController:
     pay, so speculation is never slower than plain decoding beyond noise."""
 
     def __init__(self, max_draft: int = 8, fixed: int | None = None, prior_acceptance: float = 0.6,
-                 smoothing: float = 0.15, probe_every: int = 32):
+                 smoothing: float = 0.15, probe_every: int = 32, first_k: int = 3):
         self.max_draft = max_draft
         self.fixed = fixed
         self.a = prior_acceptance
@@ -43,6 +43,7 @@ class DraftController:
         self.t_draft: float | None = None
         self.t_pass: dict[int, float] = {}      # positions -> moving mean seconds
         self.probe_every = probe_every
+        self.first_k = first_k
         self._plain_streak = 0
         self.k = fixed if fixed is not None else 0
 
@@ -83,7 +84,12 @@ class DraftController:
         if self.fixed is not None:
             self.k = self.fixed
             return self.k
-        t_draft = self.t_draft if self.t_draft is not None else 0.0
+        if self.t_draft is None or not self.t_pass:
+            # Nothing measured yet: a short first draft measures the drafter's cost and
+            # acceptance without betting a long one on a drafter that may be slow.
+            self.k = min(self.first_k, self.max_draft)
+            return self.k
+        t_draft = self.t_draft
         best_k, best = 0, expected_tokens(self.a, 0) / self.t_verify(1)
         for k in range(1, self.max_draft + 1):
             rate = expected_tokens(self.a, k) / (k * t_draft + self.t_verify(k + 1))

@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         from .bench import bench_main
         return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    # Intermixed: `localchat -n 20 why is the sky blue --stats` reads the words as the prompt.
+    args = build_parser().parse_intermixed_args(argv)
     settings = load_settings(args)
     if settings is None:
         return EXIT_USAGE

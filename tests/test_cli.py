@@ -105,3 +105,49 @@ def test_tiny_model_answers_with_stats_and_bad_utf8(tiny_llama):
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr.decode()
     assert "not valid UTF-8" in err and "decode" in err and "Traceback" not in err
+
+
+def test_bench_measures_each_workload_and_writes_json(tmp_path, tiny_llama):
+    import json
+    wl = tmp_path / "w.jsonl"
+    wl.write_text('{"id": "copy", "kind": "copy", "prompt": "Repeat: the cat sat on the mat, the cat sat on the mat"}\n'
+                  '{"id": "code", "kind": "code", "prompt": "def fib(n):"}\n')
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "--model", str(tiny_llama), "--workloads", str(wl), "-n", "24", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.decode()
+    assert "plain tok/s" in table and "copy" in table and "code" in table
+    data = json.loads(out.read_text())
+    assert [r["id"] for r in data["workloads"]] == ["copy", "code"]
+    for r in data["workloads"]:
+        assert r["ngram"]["identical"] is True
+        assert r["plain"]["decode_tps"] > 0 and r["ngram"]["tokens_per_pass"] >= 1.0
+
+
+def test_bench_bad_workloads_file(tmp_path):
+    wl = tmp_path / "w.jsonl"
+    wl.write_text('{"id": "x"}\n')
+    proc = run_cli("bench", "--workloads", str(wl))
+    assert proc.returncode == 2
+    one_line_error(proc, "w.jsonl line 1", "prompt")
+
+
+@pytest.mark.parametrize("args,needle", [(["--draft-tokens", "99"], "--draft-tokens 99"),
+                                         (["--drafter", "model"], "--draft-model")])
+def test_bad_drafter_flags_exit_2(args, needle):
+    proc = run_cli(*args, "hi")
+    assert proc.returncode == 2
+    one_line_error(proc, needle)
+
+
+def test_stats_line_shows_speculation(tiny_llama):
+    proc = run_cli("--model", str(tiny_llama), "-n", "40", "--stats", "--drafter", "ngram", "--draft-tokens", "3",
+                   "the cat sat on the mat the cat sat on the mat the cat sat")
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.decode()
+    assert "tok/pass" in err and "drafted" in err and "accepted" in err
+
+
+def test_flags_after_the_prompt_words():
+    args = cli.build_parser().parse_intermixed_args(["-n", "5", "why", "is", "it", "--stats", "blue"])
+    assert args.prompt == ["why", "is", "it", "blue"] and args.stats and args.max_tokens == 5
