@@ -35,7 +35,7 @@ class DraftController:
     pay, so speculation is never slower than plain decoding beyond noise."""
 
     def __init__(self, max_draft: int = 8, fixed: int | None = None, prior_acceptance: float = 0.6,
-                 smoothing: float = 0.15, probe_every: int = 32, first_k: int = 3):
+                 smoothing: float = 0.15, probe_every: int = 32, first_k: int = 3, margin: float = 1.03):
         self.max_draft = max_draft
         self.fixed = fixed
         self.a = prior_acceptance
@@ -44,6 +44,7 @@ class DraftController:
         self.t_pass: dict[int, float] = {}      # positions -> moving mean seconds
         self.probe_every = probe_every
         self.first_k = first_k
+        self.margin = margin
         self._plain_streak = 0
         self.k = fixed if fixed is not None else 0
 
@@ -93,7 +94,9 @@ class DraftController:
         best_k, best = 0, expected_tokens(self.a, 0) / self.t_verify(1)
         for k in range(1, self.max_draft + 1):
             rate = expected_tokens(self.a, k) / (k * t_draft + self.t_verify(k + 1))
-            if rate > best * 1.001:
+            # Drafting must promise a clear gain: the estimates are noisy, and a draft
+            # that does not pay slows every round it is tried in.
+            if rate > best * (self.margin if best_k == 0 else 1.001):
                 best_k, best = k, rate
         if best_k == 0:
             # Keep measuring: the text may become easy to guess again.

@@ -100,3 +100,38 @@ def test_cli_ctrl_c_keeps_what_was_printed():
     got += out or b""
     assert proc.returncode == 130
     assert len(got) >= 40 and b"interrupted" in err and b"Traceback" not in err
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8, None])
+def test_speculative_greedy_equals_plain_on_the_demo_model(demo_engine, k):
+    """n-gram drafts on a copy-heavy prompt, for fixed k and adaptive k: same tokens as plain."""
+    prompt = PROMPTS[4]
+    eng = demo_engine
+    saved = eng.drafter, eng.draft_tokens
+    try:
+        eng.set_drafter("none")
+        plain = list(eng.chat().send(prompt, max_new_tokens=64))[-1]
+        eng.set_drafter("ngram")
+        eng.draft_tokens = k
+        chat = eng.chat()
+        spec = list(chat.send(prompt, max_new_tokens=64))[-1]
+        assert spec.token_ids == plain.token_ids
+        assert chat.last_stats.drafted_tokens > 0 and chat.last_stats.accepted_tokens > 0
+    finally:
+        eng.drafter, eng.draft_tokens = saved
+
+
+def test_demo_model_drafting_for_itself_accepts_everything(demo_engine):
+    eng = demo_engine
+    saved = eng.drafter, eng.draft_tokens
+    try:
+        eng.set_drafter("none")
+        plain = list(eng.chat().send(PROMPTS[0], max_new_tokens=40))[-1]
+        eng.set_drafter("model", str(eng.checkpoint.path))
+        eng.draft_tokens = 4
+        chat = eng.chat()
+        spec = list(chat.send(PROMPTS[0], max_new_tokens=40))[-1]
+        assert spec.token_ids == plain.token_ids
+        assert chat.last_stats.acceptance == 1.0 and chat.last_stats.tokens_per_pass > 4
+    finally:
+        eng.drafter, eng.draft_tokens = saved
