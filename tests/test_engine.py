@@ -204,3 +204,15 @@ def test_stop_token_ends_the_answer(tiny_llama):
     eng.stop_ids = frozenset({first.token_ids[0]})
     done = list(eng.chat().send("Hello", max_new_tokens=30))[-1]
     assert done.reason == "stop" and done.token_ids == (first.token_ids[0],) and done.text == ""
+
+
+def test_fused_rms_norm_rounds_as_the_reference():
+    """The fast forward uses torch.rms_norm for float32 activations because it is bit for bit
+    the reference's w * (x * rsqrt(mean(x^2) + eps)); this pins that fact to the installed torch."""
+    g = torch.Generator().manual_seed(0)
+    for rows, width in [(1, 64), (1, 576), (7, 576), (33, 2048)]:
+        for _ in range(10):
+            x = torch.randn(rows, width, generator=g) * 3
+            w = torch.randn(width, generator=g)
+            ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+            assert torch.equal(torch.rms_norm(x, (width,), w, 1e-5), ref)

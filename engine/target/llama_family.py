@@ -125,17 +125,26 @@ class LlamaFamilyForward:
             size = max(need, 2 * (0 if self._cos is None else self._cos.shape[0]), 1024)
             ids = torch.arange(size, device=like.device).unsqueeze(0)
             cos, sin = self.rotary(like, ids)
-            self._cos, self._sin = cos[0], sin[0]
+            # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2) exactly (a sign flip
+            # rounds nothing), which saves negating x on every layer.
+            half = sin.shape[-1] // 2
+            self._cos = cos[0]
+            self._sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
         return self._cos[pos:need], self._sin[pos:need]
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # The reference's RMSNorm (float32 statistics). sum/n is bit-identical to mean()
+        if x.dtype == torch.float32 and w.dtype == torch.float32:
+            # In float32 torch's fused rms_norm rounds exactly as the reference's
+            # x * rsqrt(mean(x^2) + eps) * w does (checked bit for bit in the tests),
+            # in one kernel instead of six: on a CPU decode step that is ~8% of the time.
+            return torch.rms_norm(x, (x.shape[-1],), w, self.eps)
+        # The reference's RMSNorm (float32 statistics, product with the weight in x's dtype). sum/n is bit-identical to mean()
         # and skips mean's dtype bookkeeping, which costs more than the sum at this size;
         # n and eps as 0-dim tensors skip wrapping a Python scalar on every call.
         xf = x.float()
         n, eps = self._scalars(x.shape[-1], xf.device)
         var = xf.pow(2).sum(-1, keepdim=True).div_(n)
-        return w * (xf * torch.rsqrt(var.add_(eps))).to(x.dtype)
+        return w * (xf * var.add_(eps).rsqrt_()).to(x.dtype)
 
     def _scalars(self, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         got = self._scalar_cache.get(width)
@@ -182,7 +191,7 @@ class LlamaFamilyForward:
             else:
                 qk = qkv[:, :H + KV].transpose(0, 1)
             # Rotary embedding on q and k at once ([heads, T, D]), as rotate_half does.
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
+            qk = (qk * cos).add_(torch.cat((qk[..., half:], qk[..., :half]), -1).mul_(sin))
             keys, values = self.cache.write(i, pos, qk[H:], qkv[:, H + KV:].transpose(0, 1))
             if rowwise:
                 o = self._attend_rowwise(qk[None, :H], keys, values, pos)
@@ -191,7 +200,7 @@ class LlamaFamilyForward:
                                                    scale=self.scaling, enable_gqa=H != KV)
             h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias)
             gu = torch.mm(self._rms(h, w.ln2), w.gate_up)
-            h = h + torch.mm(F.silu(gu[:, :inter]) * gu[:, inter:], w.down)
+            h = h + torch.mm(F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down)
         if not all_logits:
             h = h[-1:]
         return torch.mm(self._rms(h, self.norm), self.head).float()
