@@ -26,8 +26,12 @@ chat: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Benchmarks take minutes and want an idle machine; they write benchmarks/results/*.json.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode.py
+	$(BIN)/python benchmarks/speculative.py
+	$(BIN)/python benchmarks/speculative.py --dtype bfloat16 --no-model-drafter --out benchmarks/results/speculative-bf16.json
+	$(BIN)/python benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

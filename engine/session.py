@@ -146,17 +146,17 @@ class Chat:
             reason, error = "error", str(exc)
         except RuntimeError as exc:   # torch failures (out of memory, a read error) end the answer, not the app
             reason, error = "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        except GeneratorExit:
+        except (GeneratorExit, KeyboardInterrupt):
+            # The consumer stopped listening (closed the stream, Ctrl-C): what was
+            # written stays in the conversation, as after cancel().
             reason = "cancelled"
             raise
         finally:
             tail = detok.flush()
             if tail:
                 answer["content"] += tail
-            if reason == "error" and not generated:
-                self.cached_ids = self.cached_ids[:target.cache.length]
             if self.engine.cache_owner is self:
-                # Keep the bookkeeping honest even after an error mid-pass.
+                # A pass that failed midway committed nothing: keep the bookkeeping honest.
                 self.cached_ids = self.cached_ids[:target.cache.length]
                 target.cache.rollback(len(self.cached_ids))
             if tracker is not None:

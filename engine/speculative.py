@@ -34,8 +34,8 @@ class DraftController:
     (seconds of a target pass over n positions). k = 0 wins whenever drafting does not
     pay, so speculation is never slower than plain decoding beyond noise."""
 
-    def __init__(self, max_draft: int = 8, fixed: int | None = None, prior_acceptance: float = 0.6,
-                 smoothing: float = 0.15, probe_every: int = 32, first_k: int = 3, margin: float = 1.03):
+    def __init__(self, max_draft: int = 8, fixed: int | None = None, prior_acceptance: float = 0.5,
+                 smoothing: float = 0.15, probe_every: int = 32, first_k: int = 2, margin: float = 1.03):
         self.max_draft = max_draft
         self.fixed = fixed
         self.a = prior_acceptance
@@ -99,9 +99,11 @@ class DraftController:
             if rate > best * (self.margin if best_k == 0 else 1.001):
                 best_k, best = k, rate
         if best_k == 0:
-            # Keep measuring: the text may become easy to guess again.
+            # Keep measuring: the text may become easy to guess again. Unless a draft step
+            # costs about as much as a target pass: then no acceptance rate can make
+            # drafting pay, and a probe would only make the drafter catch up for nothing.
             self._plain_streak += 1
-            if self._plain_streak >= self.probe_every:
+            if self._plain_streak >= self.probe_every and t_draft < 0.5 * self.t_verify(1):
                 self._plain_streak = 0
                 best_k = min(2, self.max_draft)
         else:

@@ -218,3 +218,10 @@ def test_drafter_with_another_tokenizer_is_refused(tiny_llama, tmp_path):
     other = build_model(tmp_path / "other", "llama", tokenizer=other_tok)
     with pytest.raises(engine.BadRequest, match="does not share the tokenizer"):
         engine.open(str(tiny_llama), drafter="model", draft_model=str(other))
+
+
+def test_controller_does_not_probe_a_drafter_as_slow_as_the_target():
+    c = DraftController(max_draft=8, prior_acceptance=0.9, probe_every=4)
+    c.t_pass = {n: 0.01 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}
+    c.t_draft = 0.01                      # a draft step costs a whole target pass
+    assert [c.choose() for _ in range(12)] == [0] * 12
