@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="localchat",
         description="Chat with a language model on this machine. With no prompt and a terminal, "
                     "opens the chat UI; with a prompt (arguments and/or stdin) prints the answer. "
+                    "`localchat doctor` shows the hardware and the memory plan; "
                     "`localchat bench --help` measures speculative decoding on this machine.",
         epilog="examples:  localchat   |   localchat \"Why is the sky blue?\"   |   "
                "echo \"Summarise this\" | localchat --stats")
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         from .bench import bench_main
         return bench_main(argv[1:])
+    if argv and argv[0] == "doctor":
+        from .doctor import doctor_main
+        return doctor_main(argv[1:])
     # Intermixed: `localchat -n 20 why is the sky blue --stats` reads the words as the prompt.
     args = build_parser().parse_intermixed_args(argv)
     settings = load_settings(args)

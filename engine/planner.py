@@ -1,0 +1,269 @@
+"""The memory model and the choice of profile.
+
+For a model, a device budget and each profile, every term of
+    M_rt + M_W + M_KV + M_act + M_drafter + margin <= budget
+is computed from the model's config (and, for a local checkpoint, the exact tensor sizes
+in its safetensors headers: no weights are read). M_sys, what the rest of the machine
+uses, is already outside the budget: detection reports *free* memory.
+
+A Plan keeps every term of every profile, which fit, which was chosen and why, and the
+predicted decode bound in tokens/s (bytes read per token / bandwidth). It prints as a
+table (`localchat doctor`)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import BadRequest
+from .hardware import Hardware
+from .profiles import Profile
+
+# Memory the runtime takes on the device before any weight (documented constants,
+# measured: the CUDA context plus the caching allocator's slack; on a CPU the Python
+# process with torch and transformers imported, ~0.45 GB RSS).
+RUNTIME_BYTES = {"cuda": 600 * 2**20, "rocm": 700 * 2**20, "mps": 300 * 2**20, "cpu": 450 * 2**20}
+# Bandwidths when `localchat doctor --measure` has not measured them (bytes/s).
+DEFAULT_BANDWIDTH = {"cuda": 900e9, "rocm": 900e9, "mps": 100e9, "cpu": 20e9,
+                     "host_to_device": 24e9, "disk": 1.5e9}
+PREFETCH_DEPTH = 2           # streamed layers in flight: the buffers the streamer owns
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int
+    linear_params: int          # decoder linear weights: what int8/int4 quantize
+    other_params: int           # embeddings, head, norms: kept exact
+    tied_embeddings: bool
+    attention_layers: int
+
+    @property
+    def params(self) -> int:
+        return self.linear_params + self.other_params
+
+    @property
+    def layer_linear_params(self) -> int:
+        return self.linear_params // self.layers
+
+    def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
+        return 2 * self.attention_layers * self.kv_heads * self.head_dim * (dtype_bytes or self.dtype_bytes)
+
+    def weight_bytes(self, weights: str = "exact", group_size: int = 32) -> int:
+        return self.linear_bytes(weights, group_size) + self.other_params * self.dtype_bytes
+
+    def linear_bytes(self, weights: str = "exact", group_size: int = 32) -> int:
+        p = self.linear_params
+        if weights == "exact":
+            return p * self.dtype_bytes
+        if weights == "int8":        # 1 byte a weight + a bf16 scale per output channel
+            return p + 2 * (p // self.hidden)
+        if weights == "int4":        # half a byte a weight + bf16 scale and zero per group
+            return p // 2 + 4 * (p // group_size)
+        raise BadRequest(f"weights {weights!r}: use exact, int8 or int4")
+
+    @classmethod
+    def from_config(cls, cfg: dict, name: str = "", dtype_bytes: int | None = None) -> "ModelShape":
+        """Parameter counts from the published config numbers alone (Llama/Qwen/Mistral family)."""
+        text = cfg.get("text_config", cfg)
+        hidden, layers = text["hidden_size"], text["num_hidden_layers"]
+        heads = text["num_attention_heads"]
+        kv = text.get("num_key_value_heads") or heads
+        hd = text.get("head_dim") or hidden // heads
+        inter, vocab = text["intermediate_size"], text["vocab_size"]
+        tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        per_layer = hidden * heads * hd + 2 * hidden * kv * hd + heads * hd * hidden + 3 * hidden * inter
+        bias = (heads + 2 * kv) * hd if text.get("attention_bias") or text.get("model_type") == "qwen2" else 0
+        norms = 2 * hidden + (2 * hd if text.get("model_type", "").startswith("qwen3") else 0)
+        other = vocab * hidden * (1 if tied else 2) + hidden + layers * (norms + bias)
+        dt = dtype_bytes or _dtype_bytes(text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype"))
+        types = text.get("layer_types") or []
+        attn = sum(1 for t in types if "attention" in t) if types else layers
+        return cls(name or text.get("model_type", "model"), layers, hidden, heads, kv, hd, inter, vocab, dt,
+                   layers * per_layer, other, tied, attn or layers)
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, name: str = "") -> "ModelShape":
+        """Exact counts from the safetensors headers of a local checkpoint."""
+        from .checkpoint import tensor_index
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        shape = cls.from_config(cfg, name or Path(path).name)
+        linear = other = 0
+        dt = shape.dtype_bytes
+        for e in tensor_index(Path(path)).values():
+            n = 1
+            for d in e.shape:
+                n *= d
+            dt = e.nbytes // max(n, 1) or dt
+            if ".layers." in e.name and e.name.endswith("proj.weight"):
+                linear += n
+            else:
+                other += n
+        return cls(shape.name, shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+                   shape.intermediate, shape.vocab, dt, linear, other, shape.tied_embeddings,
+                   shape.attention_layers)
+
+
+def _dtype_bytes(name) -> int:
+    name = str(name or "bfloat16").replace("torch.", "")
+    return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}.get(name, 2)
+
+
+@dataclass
+class PlanRow:
+    profile: str
+    summary: str
+    weights: int
+    kv: int
+    drafter: int
+    activations: int
+    runtime: int
+    margin: int
+    total: int
+    budget: int
+    fits: bool
+    context: int                 # tokens of KV cache planned for
+    max_context: int             # the longest context that fits with this profile
+    resident_layers: int
+    host_layers: int
+    disk_layers: int
+    streamed_bytes_per_pass: int
+    tps_bound: float             # predicted decode tokens/s at one token per pass
+    note: str = ""
+
+    @property
+    def short_by(self) -> int:
+        return max(0, self.total - self.budget)
+
+
+@dataclass
+class Plan:
+    model: str
+    device: str
+    budget: int
+    rows: list[PlanRow]
+    chosen: str | None
+    reason: str
+    bandwidth: dict = field(default_factory=dict)
+
+    def row(self, name: str) -> PlanRow:
+        return next(r for r in self.rows if r.profile == name)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def activation_bytes(shape: ModelShape, positions: int, context: int) -> int:
+    """Peak transient memory of a verify pass over `positions` tokens: hidden states and
+    the widest intermediates, attention scores if the math path materialises them, and
+    the float32 logits of every position."""
+    per_pos = (4 * shape.hidden + 2 * shape.intermediate + (shape.heads + 2 * shape.kv_heads) * shape.head_dim)
+    hidden = positions * per_pos * max(shape.dtype_bytes, 4)
+    scores = positions * shape.heads * context * 4
+    logits = positions * shape.vocab * 4
+    return hidden + scores + logits
+
+
+def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context: int = 8192,
+              drafter: ModelShape | None = None, force: str | None = None,
+              bandwidth: dict | None = None) -> Plan:
+    bw = dict(DEFAULT_BANDWIDTH)
+    bw.update(bandwidth or {})
+    kind = "cpu" if hw.device == "cpu" else next((a.kind for a in hw.accelerators if a.device == hw.device), "cuda")
+    runtime = RUNTIME_BYTES.get(kind, RUNTIME_BYTES["cuda"])
+    if kind == "cpu" and "vram" in hw.overrides:
+        # On a CPU, --vram is the memory the engine may hold (weights, KV, buffers); the
+        # Python runtime lives outside it.
+        runtime = 0
+    rows = [_row(shape, hw, p, context, drafter, runtime, kind, bw) for p in profiles]
+    if force:
+        row = next((r for r in rows if r.profile == force), None)
+        if row is None:
+            raise BadRequest(f"--profile {force}: no such profile (have: {', '.join(r.profile for r in rows)})")
+        if not row.fits:
+            raise BadRequest(f"--profile {force} needs {gb(row.total)} but the budget is {gb(row.budget)}: "
+                             f"short by {gb(row.short_by)}; lower --context, raise --vram, or pick another profile")
+        return Plan(shape.name, hw.device, hw.budget_bytes, rows, force, f"{force} was asked for with --profile.", bw)
+    fitting = [r for r, p in zip(rows, profiles) if r.fits]
+    if not fitting:
+        smallest = min(rows, key=lambda r: r.short_by)
+        return Plan(shape.name, hw.device, hw.budget_bytes, rows, None,
+                    f"Nothing fits in {gb(hw.budget_bytes)}: the smallest need is {smallest.profile} at "
+                    f"{gb(smallest.total)} (short by {gb(smallest.short_by)}).", bw)
+    best = fitting[0]          # profiles come sorted by rank: exact > int8 > int4 > streamed
+    better = [r for r in rows[:rows.index(best)]]
+    if not better:
+        reason = f"{best.profile}: the original weights fit on the device with room for {best.context} tokens of context."
+    else:
+        reason = (f"{best.profile}: {better[0].profile} would need {gb(better[0].total)} of the "
+                  f"{gb(hw.budget_bytes)} budget; this is the best profile that fits.")
+    return Plan(shape.name, hw.device, hw.budget_bytes, rows, best.profile, reason, bw)
+
+
+def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: ModelShape | None,
+         runtime: int, kind: str, bw: dict) -> PlanRow:
+    budget = hw.budget_bytes
+    kv_tok = shape.kv_bytes_per_token()
+    draft_bytes = 0
+    if drafter is not None and p.drafter in ("auto", "model"):
+        draft_bytes = drafter.weight_bytes() + drafter.kv_bytes_per_token() * context
+    act = activation_bytes(shape, p.max_draft + 1, context)
+    margin = p.margin_mib * 2**20
+    kv = kv_tok * context
+    fixed = runtime + kv + act + draft_bytes + margin
+    weights = shape.weight_bytes(p.weights, p.group_size)
+    resident, host, disk, streamed = shape.layers, 0, 0, 0
+    note = ""
+    if p.placement == "streamed":
+        layer = shape.layer_linear_params * shape.dtype_bytes
+        other = shape.other_params * shape.dtype_bytes
+        buffers = PREFETCH_DEPTH * layer
+        room = budget - fixed - other - buffers
+        resident = max(0, min(shape.layers, room // layer)) if room > 0 else 0
+        rest = shape.layers - resident
+        if kind != "cpu":
+            host_room = max(0, hw.host_available_bytes - margin)
+            host = min(rest, host_room // layer)
+        disk = rest - host
+        streamed = rest * layer
+        weights = other + buffers + resident * layer
+        if resident == 0 and room < 0:
+            note = f"needs at least {gb(fixed + other + buffers)}"
+    total = fixed + weights
+    fits = total <= budget
+    spare = budget - (total - kv)
+    max_context = max(0, spare // kv_tok) if kv_tok else 0
+    device_bw = bw.get(kind, bw["cpu"])
+    read_resident = (shape.weight_bytes(p.weights, p.group_size) if p.placement == "resident"
+                     else weights - PREFETCH_DEPTH * shape.layer_linear_params * shape.dtype_bytes)
+    layer = shape.layer_linear_params * shape.dtype_bytes
+    seconds = read_resident / device_bw + host * layer / bw["host_to_device"] + disk * layer / bw["disk"]
+    return PlanRow(p.name, p.summary, weights, kv, draft_bytes, act, runtime, margin, total, budget, fits,
+                   context, int(max_context), resident, host, disk, streamed,
+                   1.0 / seconds if seconds > 0 else 0.0, note)
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.0f} MB"
+
+
+def format_plan(plan: Plan) -> str:
+    head = (f"{'profile':<16} {'weights':>9} {'KV':>9} {'drafter':>8} {'act':>8} {'runtime':>8} {'margin':>7} "
+            f"{'total':>9} {'budget':>9} {'fits':>4} {'streamed/pass':>13} {'tok/s ≤':>8}")
+    lines = [head]
+    for r in plan.rows:
+        mark = "→ " if r.profile == plan.chosen else "  "
+        lines.append(f"{mark}{r.profile:<14} {gb(r.weights):>9} {gb(r.kv):>9} {gb(r.drafter):>8} "
+                     f"{gb(r.activations):>8} {gb(r.runtime):>8} {gb(r.margin):>7} {gb(r.total):>9} "
+                     f"{gb(r.budget):>9} {'yes' if r.fits else 'no':>4} {gb(r.streamed_bytes_per_pass):>13} "
+                     f"{r.tps_bound:>8.1f}")
+    lines.append("")
+    lines.append(plan.reason)
+    return "\n".join(lines)

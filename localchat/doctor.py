@@ -1,0 +1,120 @@
+"""`localchat doctor`: what this machine has, and how each profile would run the model on
+it — every term of the memory equation, what fits, what is chosen and why."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .cli import EXIT_OK, EXIT_USAGE, error, load_settings, quiet_libraries
+from .format import human_bytes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="localchat doctor", description=__doc__)
+    p.add_argument("--model", "-m", metavar="PATH_OR_REPO", help="the model to plan for (default: the configured one)")
+    p.add_argument("--draft-model", metavar="PATH_OR_REPO", help="a drafter model to count in the plan")
+    p.add_argument("--device", metavar="DEV", help="cpu, cuda:0, mps (default: the first accelerator, else cpu)")
+    p.add_argument("--vram", metavar="SIZE", help="memory the engine may use on the device, e.g. 8GiB")
+    p.add_argument("--ram", metavar="SIZE", help="host memory the engine may use, e.g. 32GiB")
+    p.add_argument("--profile", metavar="NAME", help="force a profile (says by how much it does not fit)")
+    p.add_argument("--context", type=int, default=8192, metavar="N", help="tokens of context to plan for (8192)")
+    p.add_argument("--measure", action="store_true", help="time host RAM and disk reads and plan with them")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    return p
+
+
+def measure_bandwidth(folder: Path, size: int = 256 * 2**20) -> dict:
+    """Host RAM read bandwidth (a large copy) and cold disk reads (a file written, evicted
+    from the page cache with posix_fadvise, read back) in bytes/s."""
+    import torch
+    src = torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src)
+    ram = 4 * size * 2 / (time.perf_counter() - t)    # a copy reads and writes every byte
+    out = {"cpu": ram}
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, delete=False) as fh:
+        fh.write(os.urandom(1 << 20) * (size >> 20))
+        name = fh.name
+    try:
+        fd = os.open(name, os.O_RDONLY)
+        os.fsync(fd) if hasattr(os, "fsync") else None
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t = time.perf_counter()
+        while os.read(fd, 8 << 20):
+            pass
+        out["disk"] = size / (time.perf_counter() - t)
+        os.close(fd)
+    finally:
+        os.unlink(name)
+    return out
+
+
+def doctor_main(argv: list[str]) -> int:
+    import engine
+    from engine import checkpoint, hardware, planner, profiles
+
+    args = build_parser().parse_args(argv)
+    settings = load_settings(argparse.Namespace(model=args.model, draft_model=args.draft_model))
+    if settings is None:
+        return EXIT_USAGE
+    quiet_libraries()
+    from localchat.config import config_dir
+    try:
+        hw = hardware.detect(checkpoint.default_cache_dir(), vram=args.vram, ram=args.ram,
+                             device=args.device or (settings.device if settings.device != "auto" else None))
+        profs = profiles.load_all(config_dir() / "profiles")
+        ckpt = checkpoint.resolve(settings.model)
+        shape = planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name)
+        draft = None
+        if settings.draft_model:
+            d = checkpoint.resolve(settings.draft_model)
+            draft = planner.ModelShape.from_checkpoint(d.path, d.name)
+        bw = measure_bandwidth(checkpoint.default_cache_dir()) if args.measure else {}
+        plan = planner.make_plan(shape, hw, profs, context=args.context, drafter=draft, force=args.profile,
+                                 bandwidth=bw)
+    except engine.EngineError as exc:
+        error(str(exc))
+        return EXIT_USAGE
+    if args.json:
+        out = {"hardware": _hw_dict(hw), "model": {"name": ckpt.name, "path": str(ckpt.path),
+                                                   "params": shape.params, "dtype_bytes": shape.dtype_bytes},
+               "plan": plan.as_dict()}
+        print(json.dumps(out, indent=2))
+        return EXIT_OK
+    print(_hw_text(hw))
+    print(f"\nModel: {ckpt.name} · {shape.params / 1e6:.1f} M parameters · {shape.layers} layers · "
+          f"{shape.kv_bytes_per_token():,} bytes of KV per token · context planned {args.context}")
+    if args.measure:
+        print("Measured: " + " · ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()))
+    print()
+    print(planner.format_plan(plan))
+    return EXIT_OK
+
+
+def _hw_dict(hw) -> dict:
+    from dataclasses import asdict
+    return asdict(hw)
+
+
+def _hw_text(hw) -> str:
+    lines = [f"CPU: {hw.cpu_name} · {hw.cpu_cores} cores · bf16 instructions: {'yes' if hw.bf16 else 'no'}",
+             f"RAM: {human_bytes(hw.host_available_bytes)} available of {human_bytes(hw.host_total_bytes)}",
+             f"Disk: {human_bytes(hw.disk_free_bytes)} free at {hw.disk_path}"]
+    if hw.accelerators:
+        for a in hw.accelerators:
+            lines.append(f"GPU {a.device}: {a.name} · {human_bytes(a.free_bytes)} free of {human_bytes(a.total_bytes)}")
+    else:
+        lines.append("GPU: none found (the CPU is the device; its budget is host RAM or --vram)")
+    given = f" (given: {', '.join('--' + o for o in hw.overrides)})" if hw.overrides else ""
+    lines.append(f"Device: {hw.device} · budget {human_bytes(hw.budget_bytes)}{given}")
+    return "\n".join(lines)
