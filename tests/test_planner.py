@@ -147,3 +147,17 @@ def test_doctor_table_and_forced_profile(tiny_llama):
     assert proc.returncode == 0 and b"resident-exact" in proc.stdout and b"\xe2\x86\x92" in proc.stdout
     proc = run_cli("doctor", "--model", str(tiny_llama), "--vram", "1MB", "--profile", "resident-exact")
     assert proc.returncode == 2 and b"short by" in proc.stderr and b"Traceback" not in proc.stderr
+
+
+@pytest.mark.demo
+def test_planned_resident_bytes_match_what_the_engine_holds(demo_engine):
+    """Predicted weights + KV for the demo model's resident-exact profile against the bytes
+    the running engine actually holds (its weight tensors and its preallocated cache)."""
+    t = demo_engine.target
+    shape = ModelShape.from_checkpoint(demo_engine.checkpoint.path)
+    hw = hardware.detect(vram="4GiB", device="cpu")
+    plan = make_plan(shape, hw, profiles.load_all(), context=t.cache.capacity)
+    row = plan.row("resident-exact")
+    predicted = row.weights + row.kv
+    assert abs(predicted / t.device_bytes() - 1) < 0.15
+    assert row.kv == t.cache.nbytes()
