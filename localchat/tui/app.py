@@ -5,9 +5,10 @@ Threads. Textual widgets belong to the UI thread (the asyncio loop). The engine 
 thread workers:
 
 - `_load` calls `load_engine()` once at start, so the window opens at once;
-- `_generate` iterates `Chat.send(...)` and hands what it got to the UI thread with
-  `call_from_thread`, in batches at most every `FLUSH_SECONDS`, so a fast model does not
-  flood the event loop with one repaint per token.
+- `_generate` iterates `Chat.send(...)` and posts what it got to the UI thread as
+  `Progress` messages, at most every `FLUSH_SECONDS` and never more than one in flight,
+  without waiting for them to be drawn, so decoding and drawing overlap and a fast model
+  does not flood the event loop with one repaint per token.
 
 `Chat.cancel()` is the one engine call made from the UI thread while a worker runs
 (Esc, Ctrl+L, quitting): it is a thread-safe flag the decode loop checks between steps.
@@ -22,6 +23,7 @@ Layout (ids are what app.tcss styles and later features hook into):
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,7 @@ from pathlib import Path
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.message import Message
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Input
 from textual.worker import get_current_worker
@@ -38,7 +41,7 @@ from localchat.config import Settings
 
 from .widgets import AssistantMessage, Conversation, StatusBar
 
-FLUSH_SECONDS = 1 / 20      # at most 20 UI updates a second while an answer streams
+FLUSH_SECONDS = 1 / 10      # at most 10 UI updates a second while an answer streams
 LOADING = "Loading model…"
 GENERATING = "generating"
 
@@ -65,6 +68,7 @@ class ChatApp(App):
         self.load_error: str | None = None
         self._reply: AssistantMessage | None = None     # the answer being written, if any
         self._clear_when_done = False
+        self._ui_busy = threading.Event()               # a Progress batch is being drawn
 
     # -- layout
 
@@ -186,10 +190,17 @@ class ChatApp(App):
                 if worker.is_cancelled:
                     self.chat.cancel()
                 now = time.monotonic()
-                if done is None and (pending or stats) and now - last_flush >= FLUSH_SECONDS:
-                    if not self._to_ui(self._show_progress, reply, "".join(pending), stats):
+                if (done is None and (pending or stats) and now - last_flush >= FLUSH_SECONDS
+                        and not self._ui_busy.is_set()):
+                    # Hand the batch over without waiting for it to be drawn: the engine
+                    # keeps decoding while the UI renders (on two cores, waiting for each
+                    # repaint cost a third of the speed). While a batch is still being
+                    # drawn, text accumulates here and goes in the next one.
+                    self._ui_busy.set()
+                    if not self.post_message(self.Progress(reply, "".join(pending), stats)):
                         # The UI could not take it (the app is closing): end the answer
                         # here; the engine records it as cancelled and keeps the text.
+                        self._ui_busy.clear()
                         events.close()
                         done = self.chat.last_done
                         break
@@ -201,7 +212,24 @@ class ChatApp(App):
         if done is None:           # the generator ended without Done: should not happen
             done = engine.Done("error", text=reply_text_fallback(self.chat, pending),
                                error="the answer ended without a final event")
+        # The last batch must be drawn before the final full render replaces it.
+        deadline = time.monotonic() + 5
+        while self._ui_busy.is_set() and time.monotonic() < deadline and self.is_running:
+            time.sleep(0.005)
         self._to_ui(self._end_answer, reply, stats, done)
+
+    class Progress(Message):
+        """A batch of answer text and the latest stats, posted by the generation thread."""
+
+        def __init__(self, reply: AssistantMessage, text: str, stats: engine.Stats | None) -> None:
+            super().__init__()
+            self.reply, self.text, self.stats = reply, text, stats
+
+    async def on_chat_app_progress(self, message: "ChatApp.Progress") -> None:
+        try:
+            await self._show_progress(message.reply, message.text, message.stats)
+        finally:
+            self._ui_busy.clear()
 
     def _to_ui(self, callback, *args) -> bool:
         """Run `callback` on the UI thread and wait for it (the wait is the back-pressure
