@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "doctor":
         from .doctor import doctor_main
         return doctor_main(argv[1:])
+    if argv and argv[0] == "setup":
+        from .wizard import setup_main
+        return setup_main(argv[1:])
     # Intermixed: `localchat -n 20 why is the sky blue --stats` reads the words as the prompt.
     args = build_parser().parse_intermixed_args(argv)
     settings = load_settings(args)

@@ -1,0 +1,362 @@
+"""`localchat setup`: the first-run wizard. It shows what this machine has, how each model
+of the catalog would run on it (the profile the planner picks and its predicted speed),
+recommends one, asks for a drafter, checks the disk, downloads, and writes the config.
+
+    localchat setup                                   # asks
+    localchat setup --yes                             # takes the recommendation
+    localchat setup --model Qwen/Qwen3-4B --drafter ngram --yes
+
+The questions go through one `ask(question) -> answer` function (a prompt-toolkit
+session by default), so a test drives the wizard through a pipe input."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import catalog
+from . import config as config_mod
+from .cli import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error
+from .format import human_bytes
+
+DISK_HEADROOM = 1.05          # download sizes are approximate; keep 5% spare
+SETTING_KEYS = ("model", "drafter", "draft_model")
+
+Ask = Callable[[str], str]
+Say = Callable[[str], None]
+
+
+class Cancelled(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="localchat setup", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", "-m", metavar="REPO_OR_PATH",
+                   help="the model to set up: a hub repo id, a local directory or .gguf, or 'demo'")
+    p.add_argument("--drafter", metavar="REPO_OR_KIND",
+                   help="drafter: a hub repo id or path (a drafter model), 'suggested', 'ngram' or 'none'")
+    p.add_argument("--yes", "-y", action="store_true",
+                   help="ask nothing: take the recommendation for what --model/--drafter leave open")
+    p.add_argument("--device", metavar="DEV", help="cpu, cuda:0, mps (default: the first accelerator, else cpu)")
+    p.add_argument("--vram", metavar="SIZE", help="memory the engine may use on the device, e.g. 8GiB")
+    p.add_argument("--ram", metavar="SIZE", help="host memory the engine may use, e.g. 32GiB")
+    p.add_argument("--context", type=int, default=8192, metavar="N", help="tokens of context to plan for (8192)")
+    return p
+
+
+# ---------------------------------------------------------------- planning the catalog
+
+@dataclass
+class Option:
+    model: catalog.CatalogModel
+    profile: str | None          # the chosen profile, None if nothing fits
+    placement: str | None        # resident | streamed
+    tps: float                   # the chosen row's predicted decode bound
+    params: int
+
+
+def plan_catalog(hw, profiles, context: int = 8192) -> list[Option]:
+    from engine.planner import make_plan
+    placements = {p.name: p.placement for p in profiles}
+    out = []
+    for m in catalog.CATALOG:
+        shape = m.shape()
+        plan = make_plan(shape, hw, profiles, context=context)
+        tps = plan.row(plan.chosen).tps_bound if plan.chosen else 0.0
+        out.append(Option(m, plan.chosen, placements.get(plan.chosen), tps, shape.params))
+    return out
+
+
+def recommend(options: list[Option]) -> Option:
+    """The largest model whose chosen profile keeps the weights resident (any precision);
+    the demo model if none does."""
+    resident = [o for o in options if o.placement == "resident"]
+    if not resident:
+        return next(o for o in options if o.model.repo is None)
+    return max(resident, key=lambda o: (o.params, o.model.repo is not None))
+
+
+def format_options(options: list[Option], rec: Option) -> str:
+    lines = [f"    {'model':<44} {'download':>9} {'profile':<15} {'tok/s ≤':>8}"]
+    for i, o in enumerate(options, 1):
+        mark = "→" if o is rec else " "
+        size = human_bytes(o.model.download_bytes) if o.model.download_bytes else "–"
+        lines.append(f"{mark}{i:>2}. {o.model.label[:44]:<44} {size:>9} {o.profile or 'does not fit':<15} "
+                     f"{o.tps:>8.1f}")
+    lines.append(f" {len(options) + 1:>2}. another model: type a Hugging Face repo id or a local path")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- downloads
+
+def is_local(name: str) -> bool:
+    return Path(name).expanduser().exists()
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cached(repo: str) -> Path | None:
+    """The repo's complete snapshot in the Hugging Face cache, or None."""
+    from engine import EngineError
+    from engine.checkpoint import HUB_PATTERNS, validate_dir
+    try:
+        from huggingface_hub import snapshot_download
+        path = Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS, local_files_only=True))
+        validate_dir(path)
+        return path
+    except (EngineError, Exception):
+        return None
+
+
+def remote_size(repo: str) -> int | None:
+    """Bytes of the files setup would fetch, from the hub's file list; None if unknown."""
+    if offline():
+        return None
+    try:
+        import fnmatch
+        from huggingface_hub import HfApi
+        from engine.checkpoint import HUB_PATTERNS
+        info = HfApi().model_info(repo, files_metadata=True, timeout=10)
+        return sum(s.size or 0 for s in info.siblings or []
+                   if any(fnmatch.fnmatch(s.rfilename, p) for p in HUB_PATTERNS))
+    except Exception:
+        return None
+
+
+def fetch(name: str) -> Path:
+    """A local model is validated; a hub repo comes from the cache or is downloaded
+    (huggingface_hub resumes a partial download). Raises engine.ModelNotFound offline."""
+    from engine import checkpoint
+    from engine.errors import ModelNotFound
+    if is_local(name):
+        return checkpoint.resolve(name).path
+    hit = cached(name)
+    if hit:
+        return hit
+    if offline():
+        raise ModelNotFound(f"{name}: not downloaded yet and HF_HUB_OFFLINE is set (offline)")
+    try:
+        from huggingface_hub.utils import enable_progress_bars
+        enable_progress_bars()
+    except Exception:
+        pass
+    return checkpoint.download(name)
+
+
+# ---------------------------------------------------------------- the wizard
+
+@dataclass
+class Answers:
+    model: str | None = None     # repo, path or 'demo'
+    drafter: str | None = None   # repo/path, 'suggested', 'ngram', 'none'
+    yes: bool = False
+
+
+def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None = None,
+               context: int = 8192, path: Path | None = None, fetch_model: Callable[[str], Path] = fetch) -> int:
+    """The whole wizard; returns the exit code. `ask` raises EOFError/KeyboardInterrupt to cancel."""
+    from engine.errors import EngineError
+    from .doctor import _hw_text
+    answers = answers or Answers()
+    try:
+        say(_hw_text(hw))
+        options = plan_catalog(hw, profiles, context)
+        rec = recommend(options)
+        # --- the model
+        if answers.model:
+            choice = answers.model.strip()
+        elif answers.yes:
+            choice = rec.model.key
+        else:
+            say("\nModels (→ recommended: the largest that keeps its weights on the device; "
+                "tok/s ≤ is the predicted decode bound):")
+            say(format_options(options, rec))
+            choice = _ask_model(ask, say, options, rec)
+        entry = catalog.find(choice)
+        model = None if choice.lower() == catalog.DEMO_ID else (str(Path(choice).expanduser().resolve())
+                                                                 if is_local(choice) else choice)
+        if entry is not None and model is not None:
+            model = entry.repo
+        # --- the drafter
+        suggested = entry.drafter if entry else None
+        if answers.drafter:
+            drafter_choice = answers.drafter.strip()
+        elif answers.yes or model is None:
+            drafter_choice = "suggested" if suggested else "ngram"
+        else:
+            drafter_choice = _ask_drafter(ask, say, suggested)
+        drafter, draft_model = _drafter_settings(drafter_choice, suggested)
+        # --- the disk
+        need = 0
+        for name in (model, draft_model):
+            if name and not is_local(name) and cached(name) is None:
+                known = catalog.find(name)
+                size = known.download_bytes if known else remote_size(name)
+                if size is None:
+                    say(f"The download size of {name} is unknown; make sure there is room for it.")
+                need += size or 0
+        if need and need * DISK_HEADROOM > hw.disk_free_bytes:
+            error(f"not enough disk space: the download needs about {human_bytes(need)}, "
+                  f"{human_bytes(hw.disk_free_bytes)} is free at {hw.disk_path}; "
+                  "free some space or choose a smaller model")
+            return EXIT_FAIL
+        # --- confirm
+        what = model or catalog.find(None).label
+        drafting = f"drafter {draft_model}" if draft_model else f"drafter {drafter}"
+        if not answers.yes:
+            dl = f", download about {human_bytes(need)}" if need else ""
+            if not _yes(ask(f"Set up {what} with {drafting}{dl}? [Y/n] ")):
+                say("Nothing written.")
+                return EXIT_OK
+        # --- download
+        if model is not None:
+            try:
+                fetch_model(model)
+            except EngineError as exc:
+                say(f"{exc}; the bundled demo model needs no download.")
+                if answers.yes:
+                    error("nothing written; run `localchat setup --model demo --yes` to use the demo model")
+                    return EXIT_FAIL
+                if not _yes(ask("Use the demo model instead? [Y/n] ")):
+                    say("Nothing written.")
+                    return EXIT_FAIL
+                model, entry = None, catalog.find(None)
+                if draft_model:
+                    drafter, draft_model = "ngram", None
+        if draft_model:
+            try:
+                fetch_model(draft_model)
+            except EngineError as exc:
+                say(f"{exc}; using the ngram drafter instead.")
+                drafter, draft_model = "ngram", None
+        # --- the config
+        written, backup = write_config(model, drafter, draft_model, path)
+        say(f"\nWrote {written}" + (f" (the previous one is kept as {backup})" if backup else ""))
+        say("Start chatting with: localchat")
+        return EXIT_OK
+    except (EOFError, KeyboardInterrupt, Cancelled):
+        say("\nCancelled; nothing written.")
+        return EXIT_INTERRUPTED
+
+
+def write_config(model: str | None, drafter: str, draft_model: str | None,
+                 path: Path | None = None) -> tuple[Path, Path | None]:
+    """Save the three settings (other keys already in the file stay); an existing file is
+    first copied to config.toml.bak. The write itself is atomic (config.save)."""
+    path = path or config_mod.config_path()
+    backup = None
+    if path.is_file():
+        backup = path.with_suffix(".toml.bak")
+        shutil.copy2(path, backup)
+    written = config_mod.save(config_mod.Settings(model=model, drafter=drafter, draft_model=draft_model),
+                              path, keys=SETTING_KEYS)
+    return written, backup
+
+
+def _ask_model(ask: Ask, say: Say, options: list[Option], rec: Option) -> str:
+    default = options.index(rec) + 1
+    for _ in range(5):
+        answer = ask(f"Model [1-{len(options) + 1}, Enter = {default}]: ").strip()
+        if not answer:
+            return rec.model.key
+        if answer.isdigit():
+            n = int(answer)
+            if 1 <= n <= len(options):
+                return options[n - 1].model.key
+            if n == len(options) + 1:
+                typed = ask("Hugging Face repo id (owner/name) or local path: ").strip()
+                if typed:
+                    return typed
+                continue
+            say(f"Pick a number from 1 to {len(options) + 1}.")
+            continue
+        return answer             # a repo id or a path typed straight away
+    raise Cancelled
+
+
+def _ask_drafter(ask: Ask, say: Say, suggested: str | None) -> str:
+    choices = ([("suggested", f"{suggested} (same tokenizer; speeds up decoding)")] if suggested else []) + [
+        ("ngram", "ngram: prompt lookup, free, no extra memory"), ("none", "none: no speculative decoding")]
+    say("\nDrafter (proposes tokens the model verifies; never changes the answer):")
+    for i, (_, text) in enumerate(choices, 1):
+        say(f"  {i}. {text}")
+    for _ in range(5):
+        answer = ask(f"Drafter [1-{len(choices)} or a repo id, Enter = 1]: ").strip()
+        if not answer:
+            return choices[0][0]
+        if answer.isdigit() and 1 <= int(answer) <= len(choices):
+            return choices[int(answer) - 1][0]
+        if answer.isdigit():
+            say(f"Pick a number from 1 to {len(choices)}.")
+            continue
+        return answer
+    raise Cancelled
+
+
+def _drafter_settings(choice: str, suggested: str | None) -> tuple[str, str | None]:
+    kind = choice.lower()
+    if kind in ("ngram", "none"):
+        return kind, None
+    if kind in ("suggested", "auto", "model"):
+        return ("model", suggested) if suggested else ("ngram", None)
+    known = catalog.find(choice)
+    name = known.repo if known and known.repo else (str(Path(choice).expanduser().resolve())
+                                                    if is_local(choice) else choice)
+    return "model", name
+
+
+def _yes(answer: str) -> bool:
+    return answer.strip().lower() in ("", "y", "yes")
+
+
+def prompt_asker(session=None) -> Ask:
+    """An `ask` on a prompt-toolkit session (a test passes one with a pipe input)."""
+    if session is None:
+        from prompt_toolkit import PromptSession
+        session = PromptSession()
+    return lambda question: session.prompt(question)
+
+
+def setup_main(argv: list[str]) -> int:
+    from engine import EngineError, hardware, profiles
+
+    args = build_parser().parse_args(argv)
+    base, warnings = config_mod.load()
+    for w in warnings:
+        error(w)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from huggingface_hub import constants
+        hub_cache = Path(constants.HF_HUB_CACHE)
+    except Exception:
+        hub_cache = None
+    try:
+        hw = hardware.detect(hub_cache, vram=args.vram, ram=args.ram,
+                             device=args.device or (base.device if base.device != "auto" else None))
+        profs = profiles.load_all(config_mod.config_dir() / "profiles")
+    except EngineError as exc:
+        error(str(exc))
+        return EXIT_USAGE
+    answers = Answers(args.model, args.drafter, args.yes)
+    interactive = not args.yes and sys.stdin.isatty()
+    if not args.yes and not interactive:
+        error("setup asks questions: run it in a terminal, or pass --yes (with --model/--drafter to choose)")
+        return EXIT_USAGE
+    ask = prompt_asker() if interactive else _no_questions
+    try:
+        return run_wizard(hw, profs, ask, print, answers, context=args.context)
+    except EngineError as exc:
+        error(str(exc))
+        return EXIT_USAGE
+
+
+def _no_questions(question: str) -> str:
+    raise Cancelled

@@ -1,0 +1,136 @@
+"""`localchat setup`: the catalog's numbers, the wizard driven through a prompt-toolkit
+pipe input, the backup of an existing config, the offline fallback to the demo model,
+the disk check, and the non-interactive form."""
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from prompt_toolkit import PromptSession
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+
+from engine import hardware, profiles
+from engine.planner import ModelShape
+from localchat import catalog, config, wizard
+
+
+@pytest.fixture
+def config_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    return tmp_path / "config" / "config.toml"
+
+
+@pytest.fixture(scope="module")
+def hw():
+    return hardware.detect(vram="8GiB", device="cpu")
+
+
+def drive(hw, keys: str, **kw):
+    """Run the wizard with `keys` typed into a pipe input; return (exit code, what it said)."""
+    said = []
+    with create_pipe_input() as inp:
+        inp.send_text(keys)
+        session = PromptSession(input=inp, output=DummyOutput())
+        code = wizard.run_wizard(hw, profiles.load_all(), wizard.prompt_asker(session), said.append, **kw)
+    return code, "\n".join(said)
+
+
+def other_model() -> str:
+    return str(len(catalog.CATALOG) + 1)
+
+
+def test_catalog_qwen3_14b_numbers():
+    shape = catalog.find("Qwen/Qwen3-14B").shape()
+    assert shape.weight_bytes() == pytest.approx(29.5e9, rel=0.01)
+    assert shape.kv_bytes_per_token() == 163_840
+    assert catalog.find("qwen/qwen3-14b").drafter == "Qwen/Qwen3-0.6B"
+
+
+def test_catalog_entries_plan_and_share_tokenizers():
+    for m in catalog.CATALOG:
+        shape = ModelShape.from_config(m.config)
+        assert shape.params > 100e6
+        if m.drafter:
+            d = catalog.find(m.drafter)
+            assert d is not None and d.config["vocab_size"] == m.config["vocab_size"]
+    assert catalog.find("Qwen/Qwen3-0.6B").shape().params == pytest.approx(0.6e9, rel=0.02)
+    assert catalog.find("meta-llama/Llama-3.1-8B-Instruct").shape().params == pytest.approx(8.03e9, rel=0.01)
+    assert catalog.find("demo").repo is None
+
+
+def test_recommendation_is_the_largest_resident_model(hw):
+    options = wizard.plan_catalog(hw, profiles.load_all())
+    rec = wizard.recommend(options)
+    assert rec.placement == "resident"
+    assert all(o.params <= rec.params for o in options if o.placement == "resident")
+    tiny = replace(hw, budget_bytes=10**6)
+    assert wizard.recommend(wizard.plan_catalog(tiny, profiles.load_all())).model.repo is None
+
+
+def test_wizard_end_to_end_with_a_local_model(hw, tiny_llama, config_file):
+    # another model -> the tiny model's path -> drafter 2 (none) -> confirm
+    code, said = drive(hw, f"{other_model()}\n{tiny_llama}\n2\ny\n")
+    assert code == 0, said
+    assert "→" in said and "Qwen3-14B" in said and str(config_file) in said and "localchat" in said
+    settings, warnings = config.load(config_file, {})
+    assert warnings == []
+    assert Path(settings.model) == Path(tiny_llama).resolve()
+    assert (settings.drafter, settings.draft_model) == ("none", None)
+
+
+def test_existing_config_is_backed_up(hw, tiny_llama, config_file):
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    config_file.write_text('model = "old/model"\ntemperature = 0.5\n')
+    code, said = drive(hw, f"{other_model()}\n{tiny_llama}\n1\n\n")
+    assert code == 0, said
+    backup = config_file.with_suffix(".toml.bak")
+    assert backup.read_text() == 'model = "old/model"\ntemperature = 0.5\n'
+    assert str(backup) in said
+    settings, _ = config.load(config_file, {})
+    assert Path(settings.model) == Path(tiny_llama).resolve()
+    assert settings.drafter == "ngram" and settings.temperature == 0.5   # other settings kept
+
+
+def test_offline_hub_model_offers_the_demo(hw, config_file):
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    config_file.write_text('model = "old/model"\n')
+    repo = "localchat-tests/not-a-cached-model"
+    code, said = drive(hw, f"{other_model()}\n{repo}\n\n\n\n")
+    assert code == 0, said
+    lines = [line for line in said.splitlines() if repo in line and "offline" in line]
+    assert len(lines) == 1 and "demo" in lines[0]
+    settings, _ = config.load(config_file, {})
+    assert settings.model is None and settings.draft_model is None
+
+
+def test_not_enough_disk_is_refused(hw, config_file, capsys):
+    small = replace(hw, disk_free_bytes=10**9)
+    code = wizard.run_wizard(small, profiles.load_all(), wizard._no_questions, lambda s: None,
+                             wizard.Answers("Qwen/Qwen3-32B", "none", yes=True))
+    assert code == 1
+    assert "not enough disk space" in capsys.readouterr().err
+    assert not config_file.exists()
+
+
+def test_non_interactive_setup(tiny_llama, tmp_path):
+    env = os.environ.copy()
+    env["LOCALCHAT_CONFIG_DIR"] = str(tmp_path / "cfg")
+    proc = subprocess.run([sys.executable, "-m", "localchat", "setup", "--yes", "--model", str(tiny_llama),
+                           "--drafter", "ngram", "--vram", "2GiB"],
+                          capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    settings, _ = config.load(tmp_path / "cfg" / "config.toml", {})
+    assert Path(settings.model) == Path(tiny_llama).resolve() and settings.drafter == "ngram"
+
+
+def test_setup_without_a_terminal_needs_yes(tmp_path):
+    env = os.environ.copy()
+    env["LOCALCHAT_CONFIG_DIR"] = str(tmp_path / "cfg")
+    proc = subprocess.run([sys.executable, "-m", "localchat", "setup"], capture_output=True, text=True,
+                          env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and "--yes" in proc.stderr
+    assert not (tmp_path / "cfg" / "config.toml").exists()
