@@ -216,3 +216,10 @@ def test_fused_rms_norm_rounds_as_the_reference():
             w = torch.randn(width, generator=g)
             ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
             assert torch.equal(torch.rms_norm(x, (width,), w, 1e-5), ref)
+
+
+def test_transformers_cache_adapter_crops_the_shared_cache(tiny_llama):
+    t = load_resident(tiny_llama, torch.device("cpu"), torch.float32, fast=False)
+    t.forward(list(range(3, 23)))
+    t.impl.hf_cache.crop(-5)
+    assert t.cache.length == 15 and t.impl.hf_cache.get_seq_length() == 15

@@ -29,8 +29,10 @@ class _PositionLayer(DynamicLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.kv.length + query_length, 0
 
-    def crop(self, tokens_to_remove: int) -> None:  # rollback goes through KVCache
-        raise NotImplementedError("use KVCache.rollback")
+    def crop(self, tokens_to_remove: int) -> None:
+        # transformers crops layer by layer; the shared cache moves once (on layer 0).
+        if self.index == 0:
+            self.kv.rollback(self.kv.length - abs(tokens_to_remove))
 
 
 class HFForward:
