@@ -105,14 +105,13 @@ def offline() -> bool:
 
 def cached(repo: str) -> Path | None:
     """The repo's complete snapshot in the Hugging Face cache, or None."""
-    from engine import EngineError
     from engine.checkpoint import HUB_PATTERNS, validate_dir
     try:
         from huggingface_hub import snapshot_download
         path = Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS, local_files_only=True))
         validate_dir(path)
         return path
-    except (EngineError, Exception):
+    except Exception:           # not cached, incomplete (engine.CheckpointError), no hub library
         return None
 
 
