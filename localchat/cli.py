@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="localchat",
         description="Chat with a language model on this machine. With no prompt and a terminal, "
                     "opens the chat UI; with a prompt (arguments and/or stdin) prints the answer. "
-                    "`localchat doctor` shows the hardware and the memory plan; "
+                    "`localchat setup` picks and fetches a model for this machine; `localchat doctor` shows the hardware and the memory plan; "
                     "`localchat bench --help` measures speculative decoding on this machine.",
         epilog="examples:  localchat   |   localchat \"Why is the sky blue?\"   |   "
                "echo \"Summarise this\" | localchat --stats")
