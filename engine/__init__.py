@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as _checkpoint
-from . import hardware
+from . import hardware, planner, profiles
 from .errors import (BadRequest, CheckpointError, ContextFull, EngineError, ModelNotFound,
                      UnsupportedModel)
 from .events import Done, Stats, TextDelta
@@ -45,6 +45,7 @@ class Engine:
         self.dtype = target.dtype
         self.stop_ids = _stop_ids(ckpt.path, tokenizer)
         self.cache_owner: Chat | None = None
+        self.plan: planner.Plan | None = None   # the memory plan the model was loaded under
         self.drafter = drafter or NgramDrafter()
         self.max_draft = max_draft
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
@@ -91,11 +92,15 @@ class Engine:
 
 def open(model: str | None = None, *, device: str = "auto", dtype: str | None = None,
          cache_dir: str | Path | None = None, fast: bool = True, drafter: str = "auto",
-         draft_model: str | None = None, max_draft: int = 8, draft_tokens: int | None = None) -> Engine:
+         draft_model: str | None = None, max_draft: int = 8, draft_tokens: int | None = None,
+         memory_budget: str | int | None = None) -> Engine:
     """Load a model: None for the demo model, a local directory, a .gguf file or a hub repo id.
 
     drafter: auto (a model drafter if `draft_model` is given, else n-gram) | ngram | model | none.
-    draft_tokens: a fixed number of drafted tokens per round; None adapts it as the chat runs."""
+    draft_tokens: a fixed number of drafted tokens per round; None adapts it as the chat runs.
+    memory_budget: what the engine may use on the device ("8GiB"); default: detected free memory.
+    The memory plan is made before any weight is read (`eng.plan`); a model whose weights
+    cannot stay on the device is refused with the figures, instead of exhausting memory."""
     _check_drafter(drafter, draft_model)      # before loading anything: fail fast
     if draft_tokens is not None and not 0 <= draft_tokens <= 64:
         raise BadRequest(f"--draft-tokens {draft_tokens}: must be between 0 and 64")
@@ -105,11 +110,36 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     ckpt = _checkpoint.resolve(model, cache_dir)
     dev = hardware.pick_device(device)
     dt = _pick_dtype(dtype, dev, ckpt.path)
+    plan = _plan_resident(ckpt, dev, dt, memory_budget, cache_dir)
     tokenizer = _load_tokenizer(ckpt.path)
     target = load_resident(ckpt.path, dev, dt, fast=fast)
     eng = Engine(ckpt, tokenizer, target, max_draft=max_draft, draft_tokens=draft_tokens)
+    eng.plan = plan
     eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast)
     return eng
+
+
+def _plan_resident(ckpt, dev, dt, memory_budget, cache_dir) -> "planner.Plan":
+    """Plan before loading. This version runs the target resident in its exact weights,
+    so that row must fit with room for a useful context (2048 tokens, or the model's own
+    limit if smaller); the other profiles are shown in the plan for what they would need."""
+    import json as _json
+    from dataclasses import replace as _replace
+    cfg = _json.loads((ckpt.path / "config.json").read_text())
+    max_pos = int(cfg.get("max_position_embeddings") or 8192)
+    shape = _replace(planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name),
+                     dtype_bytes=torch.finfo(dt).bits // 8)
+    hw = hardware.detect(cache_dir, vram=memory_budget, device=str(dev))
+    plan = planner.make_plan(shape, hw, profiles.builtin(), context=min(8192, max_pos))
+    row = plan.row("resident-exact")
+    need = min(2048, max_pos)
+    if row.max_context < need:
+        other = f"; {plan.chosen} would fit, once this engine has that target" if plan.chosen else ""
+        raise BadRequest(
+            f"{ckpt.name} needs {planner.gb(row.weights)} of weights plus KV cache and runtime on {hw.device}, "
+            f"more than its {planner.gb(hw.budget_bytes)} budget allows with {need} tokens of context{other}; "
+            "pick a smaller model (`localchat setup`), or set the budget with --vram")
+    return plan
 
 
 def _check_drafter(kind: str, draft_model: str | None) -> None:

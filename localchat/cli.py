@@ -19,6 +19,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", metavar="PATH_OR_REPO",
                    help="model directory, .gguf file or Hugging Face repo id (default: the demo model)")
     p.add_argument("--device", metavar="DEV", help="cpu, cuda, cuda:1, mps (default: auto)")
+    p.add_argument("--vram", metavar="SIZE",
+                   help="memory the engine may use on the device, e.g. 8GiB (default: what is free)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
     spec = p.add_argument_group("speculative decoding (never changes the answer)")
@@ -141,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 def open_engine(settings: config_mod.Settings):
     import engine
     return engine.open(settings.model, device=settings.device, dtype=settings.dtype, drafter=settings.drafter,
-                       draft_model=settings.draft_model, draft_tokens=settings.draft_tokens)
+                       draft_model=settings.draft_model, draft_tokens=settings.draft_tokens,
+                       memory_budget=settings.vram)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ class Settings:
     top_k: int = 0
     seed: int | None = None
     device: str = "auto"
+    vram: str | None = None           # memory the engine may use on the device, e.g. "8GiB"; None = detected
     dtype: str | None = None          # None = auto
     drafter: str = "auto"             # auto | ngram | model | none
     draft_model: str | None = None    # the drafter checkpoint for drafter = model (or auto)

@@ -151,3 +151,9 @@ def test_stats_line_shows_speculation(tiny_llama):
 def test_flags_after_the_prompt_words():
     args = cli.build_parser().parse_intermixed_args(["-n", "5", "why", "is", "it", "--stats", "blue"])
     assert args.prompt == ["why", "is", "it", "blue"] and args.stats and args.max_tokens == 5
+
+
+def test_a_model_that_does_not_fit_the_budget_is_refused(tiny_llama):
+    proc = run_cli("--model", str(tiny_llama), "--vram", "1MB", "hi")
+    assert proc.returncode == 2
+    one_line_error(proc, "budget", "--vram")
