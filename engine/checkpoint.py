@@ -194,7 +194,10 @@ def import_gguf(gguf: Path, cache_dir: Path) -> Path:
     try:
         _convert_gguf(gguf, tmp)
         (tmp / ".complete").write_text(str(gguf))
-        if target.exists():
+        if (target / ".complete").is_file():      # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return target
+        if target.exists():                       # an interrupted import: replace it
             shutil.rmtree(target)
         os.replace(tmp, target)
     except BaseException:

@@ -205,9 +205,10 @@ def test_controller_probes_again_after_a_plain_streak():
 def test_ngram_proposes_what_followed_the_latest_match():
     d = NgramDrafter(max_n=3)
     history = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 0, 2, 3]
-    assert d.propose(history, 3)[0] == [7, 8, 0]          # "2 3" most recently followed by 7 8 0
+    assert d.propose(history, 3)[0] == [7, 8]             # "2 3" most recently followed by 7 8 (2-token match: 2)
     history = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
-    assert d.propose(history, 3)[0] == [4, 5, 9]          # the longer match "1 2 3" wins
+    assert d.propose(history, 3)[0] == [4, 5, 9]          # the longer match "1 2 3" wins, and proposes k
+    assert d.propose([4, 6, 5, 6], 3)[0] == [5]           # a 1-token match proposes 1
     assert d.propose([5, 6, 7], 2) == ([], None)          # nothing repeats
     assert d.propose(history, 0) == ([], None)
 
