@@ -73,10 +73,16 @@ def plan_catalog(hw, profiles, context: int = 8192) -> list[Option]:
     return out
 
 
+# The profiles whose targets this version of the engine runs. The planner also plans the
+# quantized and streamed profiles; recommending them before their targets land would set
+# a user up with a model `localchat` then refuses to load.
+RUNNABLE = {"resident-exact"}
+
+
 def recommend(options: list[Option]) -> Option:
-    """The largest model whose chosen profile keeps the weights resident (any precision);
-    the demo model if none does."""
-    resident = [o for o in options if o.placement == "resident"]
+    """The largest model whose chosen profile keeps the weights on the device and that
+    this engine runs today; the demo model if none does."""
+    resident = [o for o in options if o.profile in RUNNABLE]
     if not resident:
         return next(o for o in options if o.model.repo is None)
     return max(resident, key=lambda o: (o.params, o.model.repo is not None))
@@ -87,9 +93,13 @@ def format_options(options: list[Option], rec: Option) -> str:
     for i, o in enumerate(options, 1):
         mark = "→" if o is rec else " "
         size = human_bytes(o.model.download_bytes) if o.model.download_bytes else "–"
-        lines.append(f"{mark}{i:>2}. {o.model.label[:44]:<44} {size:>9} {o.profile or 'does not fit':<15} "
-                     f"{o.tps:>8.1f}")
+        profile = o.profile or "does not fit"
+        if o.profile and o.profile not in RUNNABLE:
+            profile += "*"
+        lines.append(f"{mark}{i:>2}. {o.model.label[:44]:<44} {size:>9} {profile:<15} {o.tps:>8.1f}")
     lines.append(f" {len(options) + 1:>2}. another model: type a Hugging Face repo id or a local path")
+    if any(o.profile and o.profile not in RUNNABLE for o in options):
+        lines.append("  * planned profile whose target is not in this version yet: that model will not load here")
     return "\n".join(lines)
 
 
