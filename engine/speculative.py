@@ -148,10 +148,13 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
             return
         room = max_new_tokens - produced          # tokens we may still emit
         k = min(controller.choose(), room - 1)
-        t0 = time.perf_counter()
-        drafts, q = drafter.propose(history + [token], k, params, gen) if k > 0 else ([], None)
-        t1 = time.perf_counter()
+        # The token is committed by this round's pass whatever is accepted: put it in the
+        # history now, so the drafter reads the history itself (no copy per round).
         start = target.cache.length
+        history.append(token)
+        t0 = time.perf_counter()
+        drafts, q = drafter.propose(history, k, params, gen) if k > 0 else ([], None)
+        t1 = time.perf_counter()
         if drafts:
             logits = target.forward([token] + drafts, all_logits=True)
             if params.greedy:
@@ -168,7 +171,6 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
         counts.accepted += n
         counts.k = k
         counts.drafted_hist[len(drafts)] = counts.drafted_hist.get(len(drafts), 0) + 1
-        history.append(token)
         out = drafts[:n] + [nxt]
         for i, t in enumerate(out):
             if t in stop_ids:                       # an accepted draft may end the answer

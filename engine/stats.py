@@ -16,7 +16,6 @@ class StatsTracker:
         self.prefill_seconds = 0.0
         self.generated = 0
         self.decode_tokens = 0      # tokens produced by decode passes (the first comes from prefill)
-        self.passes = 0
         self.decode_seconds = 0.0
         self.rounds = RoundStats()  # drafted / accepted counts, filled by the decode loop
         self._t0 = time.perf_counter()
@@ -33,7 +32,6 @@ class StatsTracker:
         if not first:
             self.decode_seconds += now - self._t0
             self.decode_tokens += tokens
-            self.passes += 1
         self._t0 = now
 
     def due(self, interval: float = 0.25) -> bool:
@@ -55,8 +53,8 @@ class StatsTracker:
             generated_tokens=self.generated,
             decode_seconds=self.decode_seconds,
             decode_tps=self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
-            forward_passes=self.passes,
-            tokens_per_pass=self.decode_tokens / self.passes if self.passes else 0.0,
+            forward_passes=self.rounds.rounds,
+            tokens_per_pass=self.decode_tokens / self.rounds.rounds if self.rounds.rounds else 0.0,
             drafted_tokens=self.rounds.drafted,
             accepted_tokens=self.rounds.accepted,
             acceptance=self.rounds.accepted / self.rounds.drafted if self.rounds.drafted else 0.0,
