@@ -63,9 +63,12 @@ def can_run(model) -> str | None:
     return None
 
 
-def _linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes."""
-    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes. A weight
+    that is not a plain tensor (a packed int8/int4 one, target/quantized.py) brings its own kernel."""
+    if type(w_t) is torch.Tensor:
+        return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+    return w_t.mm(x, bias)
 
 
 class LlamaFamilyForward:
@@ -163,13 +166,24 @@ class LlamaFamilyForward:
                 for r in range(q.shape[2])]
         return torch.cat(rows, 2)
 
+    # -- the hooks a target that keeps its weights elsewhere overrides (target/streamed.py):
+    # where the layers' weights come from, how token rows are embedded, the output head.
+    def iter_layers(self):
+        """The weights of each decoder layer in order, valid until the next one is asked for."""
+        return self.layers
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed)
+
+    def _output(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.head)
+
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         # Hidden states stay 2-D [T, hidden]: a [1, T, hidden] input makes every linear
         # reshape on the way in and out, which is measurable at batch 1.
         T = ids.shape[-1]
-        H, KV, D = self.heads, self.kv_heads, self.head_dim
-        half, inter = D // 2, self.intermediate
-        h = F.embedding(ids.view(T), self.embed)
+        D = self.head_dim
+        h = self._embed(ids.view(T))
         cos, sin = self._rope(pos, T, h)
         cos, sin = cos.view(1, T, D), sin.view(1, T, D)
         # Causal masking: from position 0 SDPA's is_causal is exact; a pass that starts
@@ -182,25 +196,32 @@ class LlamaFamilyForward:
             else:
                 q_pos = torch.arange(pos, pos + T, device=h.device).view(T, 1)
                 mask = torch.arange(pos + T, device=h.device).view(1, pos + T) <= q_pos
-        for i, w in enumerate(self.layers):
-            x = self._rms(h, w.ln1)
-            qkv = _linear(x, w.qkv, w.qkv_bias).view(T, H + 2 * KV, D)
-            if w.q_norm is not None:
-                qk = torch.cat([self._rms(qkv[:, :H], w.q_norm), self._rms(qkv[:, H:H + KV], w.k_norm)], 1)
-                qk = qk.transpose(0, 1)
-            else:
-                qk = qkv[:, :H + KV].transpose(0, 1)
-            # Rotary embedding on q and k at once ([heads, T, D]), as rotate_half does.
-            qk = (qk * cos).add_(torch.cat((qk[..., half:], qk[..., :half]), -1).mul_(sin))
-            keys, values = self.cache.write(i, pos, qk[H:], qkv[:, H + KV:].transpose(0, 1))
-            if rowwise:
-                o = self._attend_rowwise(qk[None, :H], keys, values, pos)
-            else:
-                o = F.scaled_dot_product_attention(qk[None, :H], keys, values, attn_mask=mask, is_causal=causal,
-                                                   scale=self.scaling, enable_gqa=H != KV)
-            h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias)
-            gu = torch.mm(self._rms(h, w.ln2), w.gate_up)
-            h = h + torch.mm(F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down)
+        for i, w in enumerate(self.iter_layers()):
+            h = self._layer(i, w, h, pos, cos, sin, mask, causal, rowwise)
         if not all_logits:
             h = h[-1:]
-        return torch.mm(self._rms(h, self.norm), self.head).float()
+        return self._output(self._rms(h, self.norm)).float()
+
+    def _layer(self, i: int, w: LayerWeights, h: torch.Tensor, pos: int, cos, sin, mask, causal: bool,
+               rowwise: bool) -> torch.Tensor:
+        T = h.shape[0]
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        half, inter = D // 2, self.intermediate
+        x = self._rms(h, w.ln1)
+        qkv = _linear(x, w.qkv, w.qkv_bias).view(T, H + 2 * KV, D)
+        if w.q_norm is not None:
+            qk = torch.cat([self._rms(qkv[:, :H], w.q_norm), self._rms(qkv[:, H:H + KV], w.k_norm)], 1)
+            qk = qk.transpose(0, 1)
+        else:
+            qk = qkv[:, :H + KV].transpose(0, 1)
+        # Rotary embedding on q and k at once ([heads, T, D]), as rotate_half does.
+        qk = (qk * cos).add_(torch.cat((qk[..., half:], qk[..., :half]), -1).mul_(sin))
+        keys, values = self.cache.write(i, pos, qk[H:], qkv[:, H + KV:].transpose(0, 1))
+        if rowwise:
+            o = self._attend_rowwise(qk[None, :H], keys, values, pos)
+        else:
+            o = F.scaled_dot_product_attention(qk[None, :H], keys, values, attn_mask=mask, is_causal=causal,
+                                               scale=self.scaling, enable_gqa=H != KV)
+        h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias)
+        gu = _linear(self._rms(h, w.ln2), w.gate_up)
+        return h + _linear(F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down)
