@@ -24,6 +24,7 @@ from .sampling import SamplingParams
 from .session import Chat
 from .speculative import DraftController
 from .target.resident import checkpoint_dtype, load_resident
+from .target.streamed import load_streamed
 
 DRAFTERS = ("auto", "ngram", "model", "none")
 
@@ -87,20 +88,26 @@ class Engine:
                 "dtype": str(self.dtype).replace("torch.", ""), "forward": t.kind,
                 "weights_bytes": t.weight_bytes(), "context_max": t.max_positions,
                 "drafter": self.drafter.kind if self.drafter.kind != "model" else f"model:{self.drafter.name}",
-                "draft_tokens": self.draft_tokens if self.draft_tokens is not None else "adaptive"}
+                "draft_tokens": self.draft_tokens if self.draft_tokens is not None else "adaptive",
+                "profile": self.plan.chosen if self.plan else None,
+                **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
 
 
 def open(model: str | None = None, *, device: str = "auto", dtype: str | None = None,
          cache_dir: str | Path | None = None, fast: bool = True, drafter: str = "auto",
          draft_model: str | None = None, max_draft: int = 8, draft_tokens: int | None = None,
-         memory_budget: str | int | None = None) -> Engine:
+         memory_budget: str | int | None = None, host_memory: str | int | None = None,
+         profile: str | None = None, context: int | None = None, progress=None) -> Engine:
     """Load a model: None for the demo model, a local directory, a .gguf file or a hub repo id.
 
     drafter: auto (a model drafter if `draft_model` is given, else n-gram) | ngram | model | none.
     draft_tokens: a fixed number of drafted tokens per round; None adapts it as the chat runs.
     memory_budget: what the engine may use on the device ("8GiB"); default: detected free memory.
-    The memory plan is made before any weight is read (`eng.plan`); a model whose weights
-    cannot stay on the device is refused with the figures, instead of exhausting memory."""
+    host_memory: what it may hold in host RAM for streamed layers ("32GiB"); default: available RAM.
+    profile: None/"auto" picks the best that fits (resident-exact, else streamed-exact), or a
+    profile's name forces it. context: the longest conversation to plan memory for.
+    The memory plan is made before any weight is read (`eng.plan`); a model that fits no
+    profile is refused with the figures, instead of exhausting memory."""
     _check_drafter(drafter, draft_model)      # before loading anything: fail fast
     if draft_tokens is not None and not 0 <= draft_tokens <= 64:
         raise BadRequest(f"--draft-tokens {draft_tokens}: must be between 0 and 64")
@@ -110,36 +117,72 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     ckpt = _checkpoint.resolve(model, cache_dir)
     dev = hardware.pick_device(device)
     dt = _pick_dtype(dtype, dev, ckpt.path)
-    plan = _plan_resident(ckpt, dev, dt, memory_budget, cache_dir)
+    if context is not None and context < 16:
+        raise BadRequest(f"--context {context}: must be at least 16 tokens")
+    plan, host_room = _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context)
     tokenizer = _load_tokenizer(ckpt.path)
-    target = load_resident(ckpt.path, dev, dt, fast=fast)
+    if plan.chosen == "streamed-exact":
+        row = plan.row("streamed-exact")
+        target = load_streamed(ckpt.path, dev, dt, weight_budget=row.budget - (row.total - row.weights),
+                               host_budget=host_room, context=row.context,
+                               bandwidth=plan.bandwidth, progress=progress)
+    else:
+        target = load_resident(ckpt.path, dev, dt, fast=fast)
     eng = Engine(ckpt, tokenizer, target, max_draft=max_draft, draft_tokens=draft_tokens)
     eng.plan = plan
     eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast)
     return eng
 
 
-def _plan_resident(ckpt, dev, dt, memory_budget, cache_dir) -> "planner.Plan":
-    """Plan before loading. This version runs the target resident in its exact weights,
-    so that row must fit with room for a useful context (2048 tokens, or the model's own
-    limit if smaller); the other profiles are shown in the plan for what they would need."""
+# The profiles this engine has targets for; the planner shows the others for what they need.
+RUNNABLE = ("resident-exact", "streamed-exact")
+
+
+def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context) -> tuple["planner.Plan", int]:
+    """Plan before loading, and pick the target. Resident exact weights when they fit with
+    room for a useful context (2048 tokens, or the model's own limit if smaller); else the
+    exact weights streamed, with the KV cache planned for `context` (default 4096).
+    Also returns the host RAM a streamed target may hold (none on a CPU: there the device
+    memory is host memory and --vram is the whole budget)."""
     import json as _json
     from dataclasses import replace as _replace
     cfg = _json.loads((ckpt.path / "config.json").read_text())
     max_pos = int(cfg.get("max_position_embeddings") or 8192)
     shape = _replace(planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name),
                      dtype_bytes=torch.finfo(dt).bits // 8)
-    hw = hardware.detect(cache_dir, vram=memory_budget, device=str(dev))
-    plan = planner.make_plan(shape, hw, profiles.builtin(), context=min(8192, max_pos))
-    row = plan.row("resident-exact")
+    hw = hardware.detect(cache_dir, vram=memory_budget, ram=host_memory, device=str(dev))
+    every = profiles.builtin()
+    names = [p.name for p in every]
+    if profile not in (None, "auto") and profile not in names:
+        raise BadRequest(f"--profile {profile}: no such profile (have: auto, {', '.join(names)})")
+    if profile not in (None, "auto") and profile not in RUNNABLE:
+        raise BadRequest(f"--profile {profile}: this version runs {' and '.join(RUNNABLE)}; "
+                         "use one of those or auto")
     need = min(2048, max_pos)
-    if row.max_context < need:
-        other = f"; {plan.chosen} would fit, once this engine has that target" if plan.chosen else ""
+    plan = planner.make_plan(shape, hw, every, context=min(context or 8192, max_pos))
+    resident = plan.row("resident-exact")
+    if profile in (None, "auto", "resident-exact") and resident.max_context >= min(context or need, max_pos):
+        plan.chosen = "resident-exact"
+        return plan, 0
+    if profile == "resident-exact":
         raise BadRequest(
-            f"{ckpt.name} needs {planner.gb(row.weights)} of weights plus KV cache and runtime on {hw.device}, "
-            f"more than its {planner.gb(hw.budget_bytes)} budget allows with {need} tokens of context{other}; "
-            "pick a smaller model (`localchat setup`), or set the budget with --vram")
-    return plan
+            f"--profile resident-exact: {ckpt.name} needs {planner.gb(resident.weights)} of weights plus KV cache "
+            f"and runtime on {hw.device}, more than its {planner.gb(hw.budget_bytes)} budget allows with "
+            f"{need} tokens of context; use --profile streamed-exact or auto, or raise --vram")
+    splan = planner.make_plan(shape, hw, every, context=min(context or 4096, max_pos))
+    row = splan.row("streamed-exact")
+    if not row.fits:
+        raise BadRequest(
+            f"{ckpt.name} does not fit in {planner.gb(hw.budget_bytes)} on {hw.device} even streamed: it needs "
+            f"{planner.gb(row.total)} (the largest layer twice, {row.context} tokens of KV cache, activations, "
+            f"margin); raise --vram to at least {planner.gb(row.total)}, lower --context, or pick a smaller model")
+    splan.chosen = "streamed-exact"
+    splan.reason = (f"streamed-exact: resident exact weights would need {planner.gb(resident.total)} of the "
+                    f"{planner.gb(hw.budget_bytes)} budget; {row.resident_layers} of {shape.layers} layers stay "
+                    f"on the device, the rest are streamed every pass."
+                    if profile in (None, "auto") else "streamed-exact was asked for with --profile.")
+    host_room = 0 if dev.type == "cpu" else max(0, hw.host_available_bytes - row.margin)
+    return splan, host_room
 
 
 def _check_drafter(kind: str, draft_model: str | None) -> None:

@@ -41,6 +41,7 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0     # where the tensor's bytes start in the file (streaming reads them there)
 
 
 def default_cache_dir() -> Path:
@@ -157,7 +158,7 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
     for name, info in header.items():
         try:
             start, stop = info["data_offsets"]
-            entries[name] = TensorEntry(file, name, info["dtype"], tuple(info["shape"]), stop - start)
+            entries[name] = TensorEntry(file, name, info["dtype"], tuple(info["shape"]), stop - start, 8 + n + start)
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{file}: corrupt safetensors header entry {name!r}; re-download it") from None
         end = max(end, stop)

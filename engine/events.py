@@ -33,6 +33,13 @@ class Stats:
     device_bytes: int = 0           # bytes the engine holds on the device (weights + KV cache)
     host_bytes: int = 0             # resident set size of this process
     peak_host_bytes: int = 0
+    # Streamed profile only (zero otherwise): weights moved to the device during this answer.
+    streamed_bytes: int = 0         # bytes read from host RAM or disk
+    stream_seconds: float = 0.0     # time the reader spent moving them
+    stream_gbps: float = 0.0        # streamed_bytes / stream_seconds
+    stream_hidden: float = 0.0      # share of that time hidden behind compute (0..1)
+    pass_seconds: float = 0.0       # mean seconds of a target pass
+    bound_pass_seconds: float = 0.0  # the transfer bound of a pass: streamed bytes / tier bandwidth
 
     def as_dict(self) -> dict:
         return asdict(self)

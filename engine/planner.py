@@ -215,43 +215,136 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     if drafter is not None and p.drafter in ("auto", "model"):
         draft_bytes = drafter.weight_bytes() + drafter.kv_bytes_per_token() * context
     act = activation_bytes(shape, p.max_draft + 1, context)
-    margin = p.margin_mib * 2**20
+    # A fixed margin suits a GPU; a small --vram budget (a CPU "device" in tests, a small
+    # card) keeps a tenth of itself free instead of more than it has.
+    margin = min(p.margin_mib * 2**20, budget // 10)
     kv = kv_tok * context
     fixed = runtime + kv + act + draft_bytes + margin
     weights = shape.weight_bytes(p.weights, p.group_size)
     resident, host, disk, streamed = shape.layers, 0, 0, 0
     note = ""
     if p.placement == "streamed":
-        layer = shape.layer_linear_params * shape.dtype_bytes
-        other = shape.other_params * shape.dtype_bytes
-        buffers = PREFETCH_DEPTH * layer
-        room = budget - fixed - other - buffers
-        resident = max(0, min(shape.layers, room // layer)) if room > 0 else 0
-        rest = shape.layers - resident
-        if kind != "cpu":
-            host_room = max(0, hw.host_available_bytes - margin)
-            host = min(rest, host_room // layer)
-        disk = rest - host
-        streamed = rest * layer
-        weights = other + buffers + resident * layer
-        if resident == 0 and room < 0:
-            note = f"needs at least {gb(fixed + other + buffers)}"
+        units, fixed_w, embed = streamed_units(shape)
+        host_room = max(0, hw.host_available_bytes - margin) if kind != "cpu" else 0
+        place = place_streamed(units, max(units), fixed_w, embed, budget - fixed, host_room)
+        resident, host = place.resident_layers(shape.layers), place.host_layers(shape.layers)
+        disk = shape.layers - resident - host
+        streamed = place.streamed_bytes
+        weights = place.device_bytes if place.fits else place.min_budget
+        if not place.fits:
+            note = f"needs at least {gb(fixed + place.min_budget)}"
     total = fixed + weights
     fits = total <= budget
     spare = budget - (total - kv)
     max_context = max(0, spare // kv_tok) if kv_tok else 0
     device_bw = bw.get(kind, bw["cpu"])
-    read_resident = (shape.weight_bytes(p.weights, p.group_size) if p.placement == "resident"
-                     else weights - PREFETCH_DEPTH * shape.layer_linear_params * shape.dtype_bytes)
-    layer = shape.layer_linear_params * shape.dtype_bytes
-    seconds = read_resident / device_bw + host * layer / bw["host_to_device"] + disk * layer / bw["disk"]
+    if p.placement == "resident":
+        seconds = shape.weight_bytes(p.weights, p.group_size) / device_bw
+    else:
+        seconds = ((place.resident_bytes + place.streamed_bytes) / device_bw
+                   + place.host_streamed_bytes / bw["host_to_device"] + place.disk_streamed_bytes / bw["disk"])
     return PlanRow(p.name, p.summary, weights, kv, draft_bytes, act, runtime, margin, total, budget, fits,
                    context, int(max_context), resident, host, disk, streamed,
                    1.0 / seconds if seconds > 0 else 0.0, note)
 
 
+def streamed_units(shape: ModelShape) -> tuple[list[int], int, int]:
+    """The bytes of the units a streamed target moves (decoder layers, then the output head
+    in chunks of about a layer), the bytes always kept (final norm), and the embedding's
+    bytes when it is a separate matrix (0 when tied to the head)."""
+    dt = shape.dtype_bytes
+    layer = shape.layer_linear_params * dt + (shape.other_params - shape.vocab * shape.hidden
+                                             * (1 if shape.tied_embeddings else 2) - shape.hidden) // shape.layers * dt
+    head = shape.vocab * shape.hidden * dt
+    chunks = max(1, -(-head // max(layer, 1)))
+    units = [layer] * shape.layers + [head // chunks] * chunks
+    return units, shape.hidden * dt, 0 if shape.tied_embeddings else head
+
+
+@dataclass(frozen=True)
+class StreamPlacement:
+    """Which units of a streamed target stay on the device, which are held in host memory
+    and which are read from disk on every pass; and what that holds."""
+    units: tuple[int, ...]           # bytes of each unit, in pass order
+    resident: frozenset[int]         # unit positions kept on the device
+    host: frozenset[int]
+    embed_resident: bool
+    buffer_bytes: int                # prefetch slots (+ staging)
+    fixed_bytes: int
+    embed_bytes: int
+    min_budget: int                  # the least device memory this target can run in
+    fits: bool
+
+    @property
+    def disk(self) -> frozenset[int]:
+        return frozenset(range(len(self.units))) - self.resident - self.host
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.units[i] for i in self.resident)
+
+    @property
+    def host_streamed_bytes(self) -> int:
+        return sum(self.units[i] for i in self.host)
+
+    @property
+    def disk_streamed_bytes(self) -> int:
+        return sum(self.units[i] for i in self.disk)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return self.host_streamed_bytes + self.disk_streamed_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return (self.fixed_bytes + self.resident_bytes + self.buffer_bytes
+                + (self.embed_bytes if self.embed_resident else 0))
+
+    def resident_layers(self, layers: int) -> int:
+        return sum(1 for i in self.resident if i < layers)
+
+    def host_layers(self, layers: int) -> int:
+        return sum(1 for i in self.host if i < layers)
+
+
+def place_streamed(units: list[int], slot_bytes: int, fixed_bytes: int, embed_bytes: int, budget: int,
+                   host_budget: int = 0, depth: int = PREFETCH_DEPTH, staging_bytes: int = 0,
+                   host_units: list[int] | None = None) -> StreamPlacement:
+    """Decide the tiers. Resident units are spread evenly over the pass, so the reader
+    fetches the next streamed unit while a resident one computes. The embedding goes
+    last: a token needs one row of it, which streaming reads for almost nothing.
+    `host_units`: a unit's size in host memory (its bytes in the file), if not `units`."""
+    n, total = len(units), sum(units)
+    every = frozenset(range(n))
+    if fixed_bytes + total + embed_bytes <= budget:
+        return StreamPlacement(tuple(units), every, frozenset(), True, 0, fixed_bytes, embed_bytes,
+                               fixed_bytes + depth * (slot_bytes + staging_bytes), True)
+    buffers = depth * (slot_bytes + staging_bytes)
+    minimum = fixed_bytes + buffers
+    room = budget - minimum
+    resident: set[int] = set()
+    if room > 0:
+        k = min(n, room // max(units))
+        resident = {int((j + 0.5) * n / k) for j in range(k)} if k else set()
+        # Spare room after the even spread (units differ a little in size): take more in order.
+        for i in range(n):
+            used = sum(units[j] for j in resident)
+            if i not in resident and used + units[i] <= room:
+                resident.add(i)
+    host, used = set(), 0
+    sizes = host_units or units
+    for i in range(n):
+        if i not in resident and used + sizes[i] <= host_budget:
+            host.add(i)
+            used += sizes[i]
+    return StreamPlacement(tuple(units), frozenset(resident), frozenset(host), False, buffers, fixed_bytes,
+                           embed_bytes, minimum, room >= 0)
+
+
 def gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.0f} MB"
+    if abs(n) >= 1e8:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e6:.0f} MB" if abs(n) >= 1e6 else f"{n / 1e3:.0f} KB"
 
 
 def format_plan(plan: Plan) -> str:

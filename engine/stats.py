@@ -20,6 +20,7 @@ class StatsTracker:
         self.rounds = RoundStats()  # drafted / accepted counts, filled by the decode loop
         self._t0 = time.perf_counter()
         self._last_emit = 0.0
+        self._stream0 = target.stream_stats() if hasattr(target, "stream_stats") else None
 
     def prefill_done(self) -> None:
         now = time.perf_counter()
@@ -45,7 +46,13 @@ class StatsTracker:
     def snapshot(self) -> Stats:
         t = self.target
         dev = hardware.device_allocated(t.device)
-        return Stats(
+        stream = {}
+        if self._stream0 is not None:
+            d = t.stream_stats().minus(self._stream0)
+            stream = dict(streamed_bytes=d.streamed_bytes, stream_seconds=d.load_seconds, stream_gbps=d.gbps,
+                          stream_hidden=d.hidden, pass_seconds=d.pass_seconds / d.passes if d.passes else 0.0,
+                          bound_pass_seconds=t.bound_pass_seconds())
+        return Stats(**stream,
             prompt_tokens=self.prompt_tokens,
             prefill_tokens=self.prefill_tokens,
             prefill_seconds=self.prefill_seconds,

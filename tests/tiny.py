@@ -37,8 +37,10 @@ def build_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None):
 
 
 def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64,
-                max_positions: int = 4096, tokenizer=None) -> Path:
-    """Save a random tiny model and tokenizer to `path` with save_pretrained."""
+                max_positions: int = 4096, tokenizer=None, tie: bool = False, shard: str | None = None,
+                dtype: torch.dtype = torch.float32) -> Path:
+    """Save a random tiny model and tokenizer to `path` with save_pretrained
+    (`shard`: a max shard size such as "100KB" for a multi-file checkpoint)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = tokenizer or build_tokenizer()
@@ -46,7 +48,7 @@ def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=max_positions, eos_token_id=tokenizer.eos_token_id,
                   bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=tie)
     torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -60,7 +62,7 @@ def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2,
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     tokenizer.save_pretrained(path)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                      pad_token_id=tokenizer.pad_token_id).save_pretrained(path)

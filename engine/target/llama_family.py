@@ -73,20 +73,24 @@ def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None) -> torch.Ten
 
 class LlamaFamilyForward:
     def __init__(self, model, cache: KVCache):
-        cfg = model.config
+        inner = model.model
+        self._setup(model.config, cache, inner.rotary_emb, inner.layers[0].self_attn.scaling)
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.head = model.lm_head.weight.t()
+        self.layers = [self._take_layer(layer) for layer in inner.layers]
+
+    def _setup(self, cfg, cache: KVCache, rotary, scaling: float) -> None:
+        """The shape constants and tables every variant of this forward needs (targets that
+        keep their weights elsewhere call this instead of __init__)."""
         self.cache = cache
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
-        self.scaling = model.model.layers[0].self_attn.scaling
-        inner = model.model
-        self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
-        self.head = model.lm_head.weight.t()
-        self.rotary = inner.rotary_emb
-        self.layers = [self._take_layer(layer) for layer in inner.layers]
+        self.scaling = scaling
+        self.rotary = rotary
         self._cos = self._sin = None
         self._scalar_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

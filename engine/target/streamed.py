@@ -1,0 +1,358 @@
+"""A target whose exact weights stay on disk (or in host memory) and visit the device one
+layer at a time: how a model larger than the device answers without changing a weight.
+
+The pieces:
+- layer_index.py: where every tensor is in the files, how a layer is laid out in a slot;
+- planner.place_streamed: which units stay resident, which sit in host memory, which are
+  read from disk on every pass (from the budget);
+- prefetch.py: the reader thread that fills reusable slots `depth` units ahead.
+This file runs the pass: the same Llama-family forward as the resident target, with its
+layer weights taken from a resident buffer or a slot, so the logits are the resident
+model's bit for bit. The KV cache stays on the device: a token costs one streamed pass,
+and a verify pass of k+1 tokens costs one streamed pass too — speculation multiplies.
+"""
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import planner
+from ..cache import KVCache
+from ..errors import BadRequest, EngineError, UnsupportedModel
+from . import layer_index, llama_family
+from .prefetch import Counters, Filler, Files, Ledger, Prefetcher, Slot, byte_view
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """Cumulative figures of a streamed target (an answer's are the difference of two)."""
+    passes: int = 0
+    pass_seconds: float = 0.0
+    disk_bytes: int = 0
+    host_bytes: int = 0
+    load_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    @property
+    def streamed_bytes(self) -> int:
+        return self.disk_bytes + self.host_bytes
+
+    def minus(self, other: "StreamStats") -> "StreamStats":
+        return StreamStats(*(a - b for a, b in zip(vars(self).values(), vars(other).values())))
+
+    @property
+    def gbps(self) -> float:
+        """Effective read rate of the streamed bytes while the reader was busy."""
+        return self.streamed_bytes / self.load_seconds / 1e9 if self.load_seconds else 0.0
+
+    @property
+    def hidden(self) -> float:
+        """Share of the transfer time that compute did not wait for."""
+        if not self.load_seconds:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.wait_seconds / self.load_seconds))
+
+
+class StreamedForward(llama_family.LlamaFamilyForward):
+    """The Llama-family forward with its weights fetched per unit."""
+
+    def __init__(self, target: "StreamedTarget", cfg, rotary, scaling: float):
+        self._setup(cfg, target.cache, rotary, scaling)
+        self.t = target
+        self.norm = target.norm
+        self.layers = []
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def iter_layers(self):
+        t = self.t
+        for unit in t.index.layer_units:
+            flat = t.resident.get(unit.name)
+            if flat is not None:
+                yield t.resident_views[unit.name]
+                continue
+            slot = t.prefetcher.take(unit)
+            try:
+                yield slot.views
+            finally:
+                t.prefetcher.give(slot)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.t.embed_rows(ids)
+
+    def _output(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.t
+        parts = []
+        for unit in t.index.head_units:
+            flat = t.resident.get(unit.name)
+            if flat is not None:
+                parts.append(torch.mm(x, flat[:unit.numel].view(unit.rows, -1).t()))
+                continue
+            slot = t.prefetcher.take(unit)
+            try:
+                parts.append(torch.mm(x, slot.flat[:unit.numel].view(unit.rows, -1).t()))
+            finally:
+                t.prefetcher.give(slot)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+class StreamedTarget:
+    """Same interface as ResidentTarget: forward(ids, all_logits), cache, weight_bytes()."""
+
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, weight_budget: int,
+                 host_budget: int = 0, depth: int = planner.PREFETCH_DEPTH, context: int | None = None,
+                 bandwidth: dict | None = None, slot_numel: int | None = None, progress=None):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        if cfg.model_type not in llama_family.SUPPORTED:
+            raise UnsupportedModel(f"{path}: the streamed profile runs the Llama family "
+                                   f"({', '.join(sorted(llama_family.SUPPORTED))}); {cfg.model_type!r} is not one")
+        cfg._attn_implementation = "sdpa"
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            skeleton = AutoModelForCausalLM.from_config(cfg)     # shapes and module code, no memory
+        why_not = llama_family.can_run(skeleton)
+        if why_not is not None:
+            raise UnsupportedModel(f"{path}: the streamed profile cannot run this model ({why_not})")
+        self.config, self.path = cfg, Path(path)
+        self.device, self.dtype = device, dtype
+        self.vocab_size = cfg.vocab_size
+        self.kind = "streamed"
+        self.fallback_reason = None
+        self.depth = depth
+        self.bandwidth = dict(planner.DEFAULT_BANDWIDTH, **(bandwidth or {}))
+        self.index = layer_index.build(self.path, cfg.num_hidden_layers,
+                                       bool(getattr(cfg, "tie_word_embeddings", False)), slot_numel)
+        model_max = getattr(cfg, "max_position_embeddings", None) or 1 << 20
+        self.max_positions = min(model_max, context) if context else model_max
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, device,
+                             capacity=min(1024, self.max_positions), max_positions=self.max_positions)
+        self.weight_budget, self.host_budget = weight_budget, host_budget
+        self._progress = progress or (lambda what, done, total: None)
+        self._place(weight_budget, host_budget)
+        rotary = type(skeleton.model.rotary_emb)(config=cfg).to(device)
+        self.impl = StreamedForward(self, cfg, rotary, skeleton.model.layers[0].self_attn.scaling)
+        self._passes, self._pass_seconds = 0, 0.0
+        self._retried_oom = False
+
+    # -- placement and loading
+    def _place(self, weight_budget: int, host_budget: int) -> None:
+        idx = self.index
+        files = Files(idx.files)
+        self.filler = Filler(files, self.device, self.dtype)
+        self.placement = placement(idx, self.filler, weight_budget, host_budget, self.depth)
+        staging = max(self.filler.staging_bytes(u) for u in idx.units)
+        embed_bytes = self.placement.embed_bytes
+        if not self.placement.fits:
+            raise BadRequest(f"{self.path.name}: streaming needs at least {planner.gb(self.placement.min_budget)} "
+                             f"for weights (the largest unit twice plus buffers), the budget leaves "
+                             f"{planner.gb(weight_budget)}; raise --vram to at least "
+                             f"{planner.gb(self.placement.min_budget + self.cache.bytes_per_token() * 2048)}")
+        self.ledger = Ledger(weight_budget)
+        self.host_ledger = Ledger(host_budget)
+        files.open()
+        try:
+            self.norm = self.ledger.alloc(idx.norm.numel, self.dtype, self.device)
+            self._load_into(layer_index.Unit("norm", "norm", 0, (idx.norm,), idx.norm.numel), self.norm)
+            self.resident: dict[str, torch.Tensor] = {}
+            self.resident_views = {}
+            self.host: dict[str, torch.Tensor | None] = {}
+            total = len(idx.units)
+            for i, unit in enumerate(idx.units):
+                if i in self.placement.resident:
+                    flat = self.ledger.alloc(unit.numel, self.dtype, self.device)
+                    self._load_into(unit, flat)
+                    self.resident[unit.name] = flat
+                    if unit.kind == "layer":
+                        self.resident_views[unit.name] = idx.layout.weights(flat)
+                elif i in self.placement.host:
+                    host = self.host_ledger.alloc(unit.file_bytes, torch.uint8, torch.device("cpu"),
+                                                  pin=self.device.type == "cuda")
+                    self.filler.read_to_host(unit, host)
+                    self.host[unit.name] = host
+                self._progress(unit.name, i + 1, total)
+            self.embed = None
+            if self.placement.embed_resident and embed_bytes:
+                e = idx.embed
+                emb = layer_index.Piece(e.file, e.offset, e.nbytes, layer_index._dtype(e), 0,
+                                        e.shape[0] * e.shape[1])
+                self.embed = self.ledger.alloc(emb.numel, self.dtype, self.device)
+                self._load_into(layer_index.Unit("embed", "embed", 0, (emb,), emb.numel), self.embed)
+            streamed = [u for i, u in enumerate(idx.units) if i not in self.placement.resident]
+            slots = []
+            if streamed:
+                for _ in range(self.depth):
+                    flat = self.ledger.alloc(idx.slot_numel, self.dtype, self.device)
+                    stage = (self.ledger.alloc(staging, torch.uint8, torch.device("cpu"),
+                                               pin=self.device.type == "cuda") if staging else None)
+                    slots.append(Slot(flat, stage, views=idx.layout.weights(flat)))
+        finally:
+            files.close()
+        self.prefetcher = Prefetcher(streamed, {u.name: self.host.get(u.name) for u in streamed}, slots,
+                                     self.filler, files)
+
+    def _load_into(self, unit: layer_index.Unit, flat: torch.Tensor) -> None:
+        """Read a unit once at load time (resident tier), through a temporary staging buffer
+        when it needs converting; the temporary is freed before the next unit."""
+        need = self.filler.staging_bytes(unit)
+        stage = torch.empty(need, dtype=torch.uint8) if need else None
+        self.filler.from_disk(unit, flat, stage)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows for these token ids: a lookup when the matrix is resident, else
+        each row read from the file (a token needs hidden × dtype bytes of it)."""
+        if self.embed is not None:
+            return F.embedding(ids, self.embed.view(self.index.embed.shape))
+        e = self.index.embed
+        dtype = layer_index._dtype(e)
+        hidden = e.shape[1]
+        row_bytes = e.nbytes // e.shape[0]
+        host = torch.empty(ids.numel(), hidden, dtype=dtype)
+        mv = byte_view(host)
+        files = self.prefetcher.files
+        if not files.fds:
+            files.open()
+        for r, tok in enumerate(ids.tolist()):
+            piece = layer_index.Piece(e.file, e.offset + tok * row_bytes, row_bytes, dtype, 0, hidden)
+            files.read(piece, mv[r * row_bytes:(r + 1) * row_bytes])
+        return host.to(device=self.device, dtype=self.dtype)
+
+    # -- running
+    @torch.inference_mode()
+    def forward(self, ids, all_logits: bool = False) -> torch.Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(-1)
+        pos = self.cache.length
+        self.cache.reserve(ids.numel())
+        t0 = time.perf_counter()
+        try:
+            logits = self.impl(ids, pos, all_logits)
+        except torch.OutOfMemoryError:
+            self.prefetcher.reset()
+            logits = self._retry_after_oom(ids, pos, all_logits)
+        except BaseException:
+            # A pass that stopped midway (read error, Ctrl-C) leaves the ring mid-cycle:
+            # restart it, so the next pass (the user's retry) begins at the first unit.
+            self.prefetcher.reset()
+            raise
+        self.cache.length = pos + ids.numel()
+        self._passes += 1
+        self._pass_seconds += time.perf_counter() - t0
+        return logits
+
+    def _retry_after_oom(self, ids, pos, all_logits):
+        """Out of device memory mid-pass: give back half of the resident units (they will be
+        streamed from disk), and run the pass once more; a second failure is an error."""
+        if self._retried_oom:
+            raise EngineError("out of device memory during a streamed pass even with fewer resident layers; "
+                              "lower --vram or close what else uses the device") from None
+        self._retried_oom = True
+        self.demote(len(self.resident) // 2 or len(self.resident))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            return self.impl(ids, pos, all_logits)
+        except torch.OutOfMemoryError:
+            self.prefetcher.reset()
+            raise EngineError("out of device memory during a streamed pass even with fewer resident layers; "
+                              "lower --vram or close what else uses the device") from None
+
+    def demote(self, count: int) -> int:
+        """Stream `count` more units from disk instead of keeping them resident (frees their
+        device memory). Returns how many were demoted."""
+        self.prefetcher.reset()
+        idx = self.index
+        slots = self.prefetcher.slots
+        slot_bytes = idx.slot_numel * torch.finfo(self.dtype).bits // 8
+        staging = max(self.filler.staging_bytes(u) for u in idx.units)
+        names = []
+        for name in list(self.resident):
+            # Everything was resident (no slots yet): free enough for the prefetch slots too.
+            room_for_slots = slots or self.ledger.held + self.depth * (slot_bytes + staging) <= self.weight_budget
+            if len(names) >= count and room_for_slots:
+                break
+            self.ledger.free(self.resident.pop(name))
+            self.resident_views.pop(name, None)
+            names.append(name)
+        if names and not slots:
+            for _ in range(self.depth):
+                flat = self.ledger.alloc(idx.slot_numel, self.dtype, self.device)
+                stage = (self.ledger.alloc(staging, torch.uint8, torch.device("cpu"),
+                                           pin=self.device.type == "cuda") if staging else None)
+                slots.append(Slot(flat, stage, views=idx.layout.weights(flat)))
+        keep = {u.name for u in self.index.units if u.name in self.resident}
+        demoted = set(names)
+        streamed = [u for u in self.index.units if u.name not in keep]
+        tier = {u.name: (None if u.name in demoted else self.prefetcher.tier.get(u.name)) for u in streamed}
+        self.prefetcher = Prefetcher(streamed, tier, slots, self.filler, self.prefetcher.files)
+        resident_idx = frozenset(i for i, u in enumerate(self.index.units) if u.name in keep)
+        self.placement = replace(self.placement, resident=resident_idx,
+                                 host=frozenset(i for i in self.placement.host if self.index.units[i].name in tier))
+        return len(names)
+
+    def close(self) -> None:
+        self.prefetcher.close()
+
+    # -- what it holds and how it did
+    def weight_bytes(self) -> int:
+        """Weight bytes held on the device now (resident units, slots, norm)."""
+        return self.ledger.held
+
+    def device_bytes(self) -> int:
+        return self.ledger.held + self.cache.nbytes()
+
+    def stream_stats(self) -> StreamStats:
+        c: Counters = self.prefetcher.counters
+        return StreamStats(self._passes, self._pass_seconds, c.disk_bytes, c.host_bytes, c.load_seconds,
+                           c.wait_seconds)
+
+    def bound_pass_seconds(self) -> float:
+        """The transfer bound of one pass: streamed bytes over their tier's bandwidth."""
+        p, bw = self.placement, self.bandwidth
+        return p.disk_streamed_bytes / bw["disk"] + p.host_streamed_bytes / bw["host_to_device"]
+
+    def describe(self) -> dict:
+        p = self.placement
+        layers = len(self.index.layer_units)
+        return {"resident_units": len(p.resident), "host_units": len(p.host), "disk_units": len(p.disk),
+                "resident_layers": p.resident_layers(layers), "units": len(p.units),
+                "streamed_bytes_per_pass": p.streamed_bytes, "weight_budget": self.weight_budget,
+                "held_bytes": self.ledger.held, "prefetch_depth": self.depth}
+
+
+def placement(idx: layer_index.StreamIndex, filler: Filler, weight_budget: int, host_budget: int = 0,
+              depth: int = planner.PREFETCH_DEPTH) -> planner.StreamPlacement:
+    """The tiers of this checkpoint's units under a budget, from exact sizes."""
+    es = torch.finfo(filler.dtype).bits // 8
+    staging = max(filler.staging_bytes(u) for u in idx.units)
+    tied = idx.head.name == idx.embed.name
+    embed_bytes = 0 if tied else idx.embed.shape[0] * idx.embed.shape[1] * es
+    return planner.place_streamed([u.numel * es for u in idx.units], idx.slot_numel * es, idx.norm.numel * es,
+                                  embed_bytes, weight_budget, host_budget, depth, staging,
+                                  host_units=[u.file_bytes for u in idx.units])
+
+
+def minimum_budget(path: Path, device: torch.device, dtype: torch.dtype, depth: int = planner.PREFETCH_DEPTH,
+                   slot_numel: int | None = None) -> int:
+    """The fewest weight bytes a streamed target of this checkpoint can run in."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    idx = layer_index.build(Path(path), cfg["num_hidden_layers"], bool(cfg.get("tie_word_embeddings")), slot_numel)
+    return placement(idx, Filler(Files([]), device, dtype), 0, 0, depth).min_budget
+
+
+def load_streamed(path: Path, device: torch.device, dtype: torch.dtype, weight_budget: int,
+                  host_budget: int = 0, **kwargs) -> StreamedTarget:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise UnsupportedModel(f"{path}: a pre-quantized checkpoint cannot be streamed exactly; use the "
+                               "original weights")
+    return StreamedTarget(Path(path), device, dtype, weight_budget, host_budget, **kwargs)
