@@ -27,6 +27,8 @@ from .target.resident import checkpoint_dtype, load_resident
 from .target.streamed import load_streamed
 
 DRAFTERS = ("auto", "ngram", "model", "none")
+# The profiles this engine has targets for; the planner shows the others for what they need.
+RUNNABLE = ("resident-exact", "streamed-exact")
 
 __all__ = ["open", "Engine", "Chat", "TextDelta", "Stats", "Done", "SamplingParams", "EngineError",
            "BadRequest", "CheckpointError", "ContextFull", "ModelNotFound", "UnsupportedModel"]
@@ -134,16 +136,12 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     return eng
 
 
-# The profiles this engine has targets for; the planner shows the others for what they need.
-RUNNABLE = ("resident-exact", "streamed-exact")
-
-
 def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context) -> tuple["planner.Plan", int]:
-    """Plan before loading, and pick the target. Resident exact weights when they fit with
-    room for a useful context (2048 tokens, or the model's own limit if smaller); else the
-    exact weights streamed, with the KV cache planned for `context` (default 4096).
-    Also returns the host RAM a streamed target may hold (none on a CPU: there the device
-    memory is host memory and --vram is the whole budget)."""
+    """Plan before loading, and pick the target: the best runnable profile (by rank:
+    resident exact > resident quantized > streamed exact) that fits with `context` tokens
+    of KV cache (default 4096, or the model's own limit if smaller). Also returns the host
+    RAM a streamed target may hold (none on a CPU: there the device memory is host memory
+    and --vram is the whole budget)."""
     import json as _json
     from dataclasses import replace as _replace
     cfg = _json.loads((ckpt.path / "config.json").read_text())
@@ -153,36 +151,20 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     hw = hardware.detect(cache_dir, vram=memory_budget, ram=host_memory, device=str(dev))
     every = profiles.builtin()
     names = [p.name for p in every]
-    if profile not in (None, "auto") and profile not in names:
-        raise BadRequest(f"--profile {profile}: no such profile (have: auto, {', '.join(names)})")
-    if profile not in (None, "auto") and profile not in RUNNABLE:
-        raise BadRequest(f"--profile {profile}: this version runs {' and '.join(RUNNABLE)}; "
-                         "use one of those or auto")
-    need = min(2048, max_pos)
-    plan = planner.make_plan(shape, hw, every, context=min(context or 8192, max_pos))
-    resident = plan.row("resident-exact")
-    if profile in (None, "auto", "resident-exact") and resident.max_context >= min(context or need, max_pos):
-        plan.chosen = "resident-exact"
-        return plan, 0
-    if profile == "resident-exact":
-        raise BadRequest(
-            f"--profile resident-exact: {ckpt.name} needs {planner.gb(resident.weights)} of weights plus KV cache "
-            f"and runtime on {hw.device}, more than its {planner.gb(hw.budget_bytes)} budget allows with "
-            f"{need} tokens of context; use --profile streamed-exact or auto, or raise --vram")
-    splan = planner.make_plan(shape, hw, every, context=min(context or 4096, max_pos))
-    row = splan.row("streamed-exact")
-    if not row.fits:
-        raise BadRequest(
-            f"{ckpt.name} does not fit in {planner.gb(hw.budget_bytes)} on {hw.device} even streamed: it needs "
-            f"{planner.gb(row.total)} (the largest layer twice, {row.context} tokens of KV cache, activations, "
-            f"margin); raise --vram to at least {planner.gb(row.total)}, lower --context, or pick a smaller model")
-    splan.chosen = "streamed-exact"
-    splan.reason = (f"streamed-exact: resident exact weights would need {planner.gb(resident.total)} of the "
-                    f"{planner.gb(hw.budget_bytes)} budget; {row.resident_layers} of {shape.layers} layers stay "
-                    f"on the device, the rest are streamed every pass."
-                    if profile in (None, "auto") else "streamed-exact was asked for with --profile.")
-    host_room = 0 if dev.type == "cpu" else max(0, hw.host_available_bytes - row.margin)
-    return splan, host_room
+    forced = profile if profile not in (None, "auto") else None
+    if forced and forced not in names:
+        raise BadRequest(f"--profile {forced}: no such profile (have: auto, {', '.join(names)})")
+    if forced and forced not in RUNNABLE:
+        raise BadRequest(f"--profile {forced}: this version runs {', '.join(RUNNABLE)}; use one of those or auto")
+    plan = planner.make_plan(shape, hw, every, context=min(context or 4096, max_pos), force=forced,
+                             runnable=RUNNABLE)
+    if plan.chosen is None:
+        raise BadRequest(f"{ckpt.name} does not fit the {planner.gb(hw.budget_bytes)} budget on {hw.device}: "
+                         f"{plan.reason} Raise --vram, lower --context, or pick a smaller model (`localchat setup`)")
+    host_room = 0
+    if dev.type != "cpu":
+        host_room = max(0, hw.host_available_bytes - plan.row(plan.chosen).margin)
+    return plan, host_room
 
 
 def _check_drafter(kind: str, draft_model: str | None) -> None:

@@ -173,7 +173,9 @@ def activation_bytes(shape: ModelShape, positions: int, context: int) -> int:
 
 def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context: int = 8192,
               drafter: ModelShape | None = None, force: str | None = None,
-              bandwidth: dict | None = None) -> Plan:
+              bandwidth: dict | None = None, runnable: tuple[str, ...] | None = None) -> Plan:
+    """Every term of every profile; the chosen one is the first (by rank) that fits and,
+    if `runnable` is given, that the engine has a target for."""
     bw = dict(DEFAULT_BANDWIDTH)
     bw.update(bandwidth or {})
     kind = "cpu" if hw.device == "cpu" else next((a.kind for a in hw.accelerators if a.device == hw.device), "cuda")
@@ -191,9 +193,10 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
             raise BadRequest(f"--profile {force} needs {gb(row.total)} but the budget is {gb(row.budget)}: "
                              f"short by {gb(row.short_by)}; lower --context, raise --vram, or pick another profile")
         return Plan(shape.name, hw.device, hw.budget_bytes, rows, force, f"{force} was asked for with --profile.", bw)
-    fitting = [r for r, p in zip(rows, profiles) if r.fits]
+    fitting = [r for r, p in zip(rows, profiles) if r.fits and (runnable is None or p.name in runnable)]
     if not fitting:
-        smallest = min(rows, key=lambda r: r.short_by)
+        smallest = min((r for r in rows if runnable is None or r.profile in runnable), key=lambda r: r.short_by,
+                       default=min(rows, key=lambda r: r.short_by))
         return Plan(shape.name, hw.device, hw.budget_bytes, rows, None,
                     f"Nothing fits in {gb(hw.budget_bytes)}: the smallest need is {smallest.profile} at "
                     f"{gb(smallest.total)} (short by {gb(smallest.short_by)}).", bw)

@@ -21,6 +21,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", metavar="DEV", help="cpu, cuda, cuda:1, mps (default: auto)")
     p.add_argument("--vram", metavar="SIZE",
                    help="memory the engine may use on the device, e.g. 8GiB (default: what is free)")
+    p.add_argument("--ram", metavar="SIZE",
+                   help="host RAM the engine may hold for streamed layers, e.g. 32GiB (default: what is available)")
+    p.add_argument("--profile", metavar="NAME",
+                   help="how to run the model: auto (default: the best that fits), resident-exact, streamed-exact")
+    p.add_argument("--context", type=int, metavar="N",
+                   help="tokens of conversation to plan memory for (default: 4096 when streaming)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
     spec = p.add_argument_group("speculative decoding (never changes the answer)")
@@ -79,6 +85,8 @@ def check_flags(s: config_mod.Settings) -> str | None:
         return f"--top-k {s.top_k}: must be 0 (off) or more"
     if s.draft_tokens is not None and not 0 <= s.draft_tokens <= 64:
         return f"--draft-tokens {s.draft_tokens}: must be between 0 and 64"
+    if s.context is not None and s.context < 16:
+        return f"--context {s.context}: must be at least 16 tokens"
     if s.drafter == "model" and not s.draft_model:
         return "--drafter model needs --draft-model PATH_OR_REPO"
     return None
@@ -144,7 +152,8 @@ def open_engine(settings: config_mod.Settings):
     import engine
     return engine.open(settings.model, device=settings.device, dtype=settings.dtype, drafter=settings.drafter,
                        draft_model=settings.draft_model, draft_tokens=settings.draft_tokens,
-                       memory_budget=settings.vram)
+                       memory_budget=settings.vram, host_memory=settings.ram, profile=settings.profile,
+                       context=settings.context)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ class Settings:
     seed: int | None = None
     device: str = "auto"
     vram: str | None = None           # memory the engine may use on the device, e.g. "8GiB"; None = detected
+    ram: str | None = None            # host RAM it may hold for streamed layers; None = available
+    profile: str | None = None        # None/"auto" = the best that fits; or a profile name
+    context: int | None = None        # tokens of conversation to plan memory for; None = auto
     dtype: str | None = None          # None = auto
     drafter: str = "auto"             # auto | ngram | model | none
     draft_model: str | None = None    # the drafter checkpoint for drafter = model (or auto)

@@ -32,6 +32,12 @@ def format_stats(s) -> str:
     if s.drafted_tokens:
         line += (f" · drafted {s.drafted_tokens}, accepted {s.accepted_tokens} ({s.acceptance:.0%}) · "
                  f"k {s.draft_k}")
+    if s.streamed_bytes:
+        # Streamed profile: how fast weights came in, against what the tiers allow, and how
+        # much of that reading the compute hid.
+        line += (f" · streamed {human_bytes(s.streamed_bytes)} at {s.stream_gbps:.1f} GB/s, "
+                 f"{s.stream_hidden:.0%} hidden · pass {s.pass_seconds * 1e3:.0f} ms "
+                 f"(transfer bound {s.bound_pass_seconds * 1e3:.0f} ms)")
     return line + f" · peak memory {human_bytes(peak)}"
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine import RUNNABLE   # the profiles this engine has targets for: only those are offered
+
 from . import catalog
 from . import config as config_mod
 from .cli import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error
@@ -67,22 +69,17 @@ def plan_catalog(hw, profiles, context: int = 8192) -> list[Option]:
     out = []
     for m in catalog.CATALOG:
         shape = m.shape()
-        plan = make_plan(shape, hw, profiles, context=context)
+        plan = make_plan(shape, hw, profiles, context=context, runnable=RUNNABLE)
         tps = plan.row(plan.chosen).tps_bound if plan.chosen else 0.0
         out.append(Option(m, plan.chosen, placements.get(plan.chosen), tps, shape.params))
     return out
 
 
-# The profiles whose targets this version of the engine runs. The planner also plans the
-# quantized and streamed profiles; recommending them before their targets land would set
-# a user up with a model `localchat` then refuses to load.
-RUNNABLE = {"resident-exact"}
-
-
 def recommend(options: list[Option]) -> Option:
-    """The largest model whose chosen profile keeps the weights on the device and that
-    this engine runs today; the demo model if none does."""
-    resident = [o for o in options if o.profile in RUNNABLE]
+    """The largest model whose chosen profile keeps the weights on the device (streaming
+    runs anything, but at disk speed: it is offered, not recommended); the demo model if
+    none fits."""
+    resident = [o for o in options if o.profile in RUNNABLE and o.placement == "resident"]
     if not resident:
         return next(o for o in options if o.model.repo is None)
     return max(resident, key=lambda o: (o.params, o.model.repo is not None))

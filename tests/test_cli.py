@@ -154,6 +154,14 @@ def test_flags_after_the_prompt_words():
 
 
 def test_a_model_that_does_not_fit_the_budget_is_refused(tiny_llama):
-    proc = run_cli("--model", str(tiny_llama), "--vram", "1MB", "hi")
+    proc = run_cli("--model", str(tiny_llama), "--vram", "100KB", "hi")
     assert proc.returncode == 2
     one_line_error(proc, "budget", "--vram")
+
+
+def test_a_model_larger_than_the_budget_streams_and_says_so(tiny_llama):
+    proc = run_cli("--model", str(tiny_llama), "--vram", "700KB", "--context", "256", "--stats", "-n", "4",
+                   "--drafter", "none", "--profile", "streamed-exact", "hi")
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.decode()
+    assert "streamed" in err and "GB/s" in err, err

@@ -65,7 +65,8 @@ def test_recommendation_is_the_largest_resident_model(hw):
     options = wizard.plan_catalog(hw, profiles.load_all())
     rec = wizard.recommend(options)
     assert rec.profile in wizard.RUNNABLE
-    assert all(o.params <= rec.params for o in options if o.profile in wizard.RUNNABLE)
+    assert all(o.params <= rec.params for o in options if o.profile in wizard.RUNNABLE and o.placement == "resident")
+    assert any(o.placement == "streamed" for o in options)     # larger models are offered, streamed
     tiny = replace(hw, budget_bytes=10**6)
     assert wizard.recommend(wizard.plan_catalog(tiny, profiles.load_all())).model.repo is None
 

@@ -63,6 +63,21 @@ class Files:
         self.paths = list(files)
         self.sizes = {p: p.stat().st_size for p in self.paths}
         self.fds: dict[Path, int] = {}
+        # Drop what was read from the page cache right after reading it: every pass then
+        # really reads the disk (the cold benchmark), and on a machine short of RAM the
+        # kernel's cache of weights we hold anyway does not push out other memory.
+        self.evict_after_read = False
+
+    def evict(self) -> None:
+        """Drop the checkpoint files from the page cache (cold start of a benchmark)."""
+        if not hasattr(os, "posix_fadvise"):      # macOS, Windows: no way to ask
+            return
+        for p in self.paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
     def open(self) -> None:
         self.close()
@@ -100,7 +115,8 @@ class Files:
                 raise CheckpointError(f"{piece.file}: truncated while streaming (wanted {piece.nbytes} bytes at "
                                       f"{piece.offset}); restore or re-download the model, then ask again")
             got += n
-        return None
+        if self.evict_after_read and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, piece.offset, piece.nbytes, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         for fd in self.fds.values():

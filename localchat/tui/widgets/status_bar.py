@@ -53,6 +53,9 @@ class StatusBar(Widget):
             # Speculative decoding at work: tokens each target pass adds, how many drafts
             # the target kept, and the draft length chosen for the last round.
             fields.append(f"{s.tokens_per_pass:.2f} tok/pass · accept {s.acceptance:.0%} · k {s.draft_k}")
+        if s.streamed_bytes:
+            # Streamed profile: weights arriving per second and the share hidden behind compute.
+            fields.append(f"stream {s.stream_gbps:.1f} GB/s · {s.stream_hidden:.0%} hidden")
         fields += [
             f"ctx {s.context_tokens}/{s.context_max or self.context_max or '?'}",
         ]
