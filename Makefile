@@ -28,9 +28,11 @@ test: $(STAMP)
 
 # Benchmarks take minutes and want an idle machine; they write benchmarks/results/*.json.
 bench: $(STAMP)
+	$(BIN)/pip install -q -e ".[dev,bench]"
 	$(BIN)/python benchmarks/decode.py
 	$(BIN)/python benchmarks/speculative.py
 	$(BIN)/python benchmarks/speculative.py --dtype bfloat16 --no-model-drafter --out benchmarks/results/speculative-bf16.json
+	$(BIN)/python benchmarks/streamed.py
 	$(BIN)/python benchmarks/report.py
 
 clean:

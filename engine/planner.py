@@ -361,5 +361,11 @@ def format_plan(plan: Plan) -> str:
                      f"{gb(r.budget):>9} {'yes' if r.fits else 'no':>4} {gb(r.streamed_bytes_per_pass):>13} "
                      f"{r.tps_bound:>8.1f}")
     lines.append("")
+    for r in plan.rows:
+        if r.streamed_bytes_per_pass and r.fits:
+            lines.append(f"{r.profile}: {r.resident_layers} of {r.resident_layers + r.host_layers + r.disk_layers} "
+                         f"layers stay on the device, {r.host_layers} are held in host RAM, {r.disk_layers} are read "
+                         f"from disk; each pass streams {gb(r.streamed_bytes_per_pass)} (a verify pass of k+1 "
+                         "tokens streams it once).")
     lines.append(plan.reason)
     return "\n".join(lines)

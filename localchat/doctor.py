@@ -81,7 +81,7 @@ def doctor_main(argv: list[str]) -> int:
             draft = planner.ModelShape.from_checkpoint(d.path, d.name)
         bw = measure_bandwidth(checkpoint.default_cache_dir()) if args.measure else {}
         plan = planner.make_plan(shape, hw, profs, context=args.context, drafter=draft, force=args.profile,
-                                 bandwidth=bw)
+                                 bandwidth=bw, runnable=engine.RUNNABLE)
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
