@@ -268,3 +268,29 @@ print(json.dumps({"path": str(path), "total": total, "budget": total // 4, "base
     grown = r["peak"] - r["base"]
     assert grown <= r["budget"] + 80 * 2**20, r      # 80 MiB: activations, logits, allocator slack
     assert grown < r["total"] // 2, r
+
+
+def test_out_of_memory_mid_pass_hands_back_resident_layers_and_retries_once(tiny_tied):
+    """A device OOM raised inside a pass (injected: a CPU cannot be made to run out safely):
+    the target demotes half its resident units, reruns the pass with the same result, and a
+    second OOM is a clear error, not a hang."""
+    ref = _passes(load_resident(tiny_tied, CPU, torch.float32))
+    budget = minimum_budget(tiny_tied, CPU, torch.float32) + _model_bytes(tiny_tied) // 2
+    st = load_streamed(tiny_tied, CPU, torch.float32, weight_budget=budget)
+    real, fails = st.impl, {"left": 1}
+
+    def flaky(ids, pos, all_logits):
+        if fails["left"]:
+            fails["left"] -= 1
+            raise torch.OutOfMemoryError("injected")
+        return real(ids, pos, all_logits)
+
+    st.impl = flaky
+    resident_before = len(st.resident)
+    _assert_same(ref, _passes(st))
+    assert len(st.resident) < resident_before
+    fails["left"] = 2
+    with pytest.raises(engine.EngineError, match="out of device memory"):
+        st.forward([1])
+    fails["left"] = 0
+    st.forward([1])                      # and it still runs afterwards
