@@ -40,6 +40,18 @@ def measure_bandwidth(folder: Path, size: int = 256 * 2**20) -> dict:
         dst.copy_(src)
     ram = 4 * size * 2 / (time.perf_counter() - t)    # a copy reads and writes every byte
     out = {"cpu": ram}
+    if torch.cuda.is_available():
+        # Host -> device from pinned memory: the rate of the streamed profile's RAM tier.
+        host = src.pin_memory()
+        dev = torch.empty_like(host, device="cuda")
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(4):
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        out["host_to_device"] = 4 * size / (time.perf_counter() - t)
+        del host, dev
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=folder, delete=False) as fh:
         fh.write(os.urandom(1 << 20) * (size >> 20))
