@@ -65,7 +65,9 @@ def test_streamed_logits_equal_resident_bit_for_bit(request, fixture, share):
     st.close()
 
 
-def test_host_tier_and_bf16_staging_equal_resident(tiny_bf16):
+def test_host_tier_and_bf16_staging_equal_resident(tiny_bf16, monkeypatch):
+    from engine.target import prefetch
+    monkeypatch.setattr(prefetch, "READ_CHUNK", 4096)     # several reader threads on every piece
     ref = _passes(load_resident(tiny_bf16, CPU, torch.float32))
     third = _model_bytes(tiny_bf16) // 3
     st = load_streamed(tiny_bf16, CPU, torch.float32, host_budget=third,
