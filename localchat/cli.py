@@ -54,12 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Chat with a language model on this machine. With no prompt and a terminal, "
                     "opens the chat UI; with a prompt (arguments and/or stdin) prints the answer. "
                     "`localchat setup` picks and fetches a model for this machine; `localchat doctor` shows the hardware and the memory plan; "
-                    "`localchat bench --help` measures speculative decoding on this machine.",
+                    "`localchat bench --help` measures speculative decoding on this machine; "
+                    "`localchat history` lists, shows and exports saved conversations.",
         epilog="examples:  localchat   |   localchat \"Why is the sky blue?\"   |   "
                "echo \"Summarise this\" | localchat --stats")
     p.add_argument("prompt", nargs="*", help="the question (one-shot mode); stdin text comes first")
     add_model_flags(p)
     add_sampling_flags(p)
+    conv = p.add_argument_group("saved conversations")
+    conv.add_argument("--continue", "-c", dest="resume_last", action="store_true",
+                      help="chat UI: resume the most recent conversation")
+    conv.add_argument("--cid", type=int, metavar="ID", help="chat UI: resume conversation ID (`localchat history`)")
+    conv.add_argument("--no-log", action="store_true", help="do not save this one-shot prompt and its answer")
+    conv.add_argument("--data-dir", metavar="DIR", help="where history.db lives (default: the user data dir)")
     p.add_argument("--stats", action="store_true", help="print one line of statistics on stderr")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token ids, finish reason, stats) instead of text")
@@ -130,17 +137,27 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "setup":
         from .wizard import setup_main
         return setup_main(argv[1:])
+    if argv and argv[0] == "history":
+        from .history_cli import history_main
+        return history_main(argv[1:])
     # Intermixed: `localchat -n 20 why is the sky blue --stats` reads the words as the prompt.
     args = build_parser().parse_intermixed_args(argv)
     settings = load_settings(args)
     if settings is None:
         return EXIT_USAGE
+    if args.resume_last and args.cid is not None:
+        error("--continue and --cid both say which conversation to resume: give one")
+        return EXIT_USAGE
     quiet_libraries()
     interactive = not args.prompt and sys.stdin.isatty() and sys.stdout.isatty()
+    if (args.resume_last or args.cid is not None) and not (interactive and not args.json):
+        error("--continue/--cid resume a conversation in the chat UI; run `localchat` in a terminal without a prompt")
+        return EXIT_USAGE
     try:
         if interactive and not args.json:
             from .tui.app import run_tui
-            return run_tui(lambda: open_engine(settings), settings)
+            return run_tui(open_engine, settings, data_dir=args.data_dir,
+                           resume="last" if args.resume_last else args.cid)
         from .oneshot import run_oneshot
         return run_oneshot(args, settings)
     except KeyboardInterrupt:
@@ -148,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def open_engine(settings: config_mod.Settings):
+def open_engine(settings: config_mod.Settings, progress=None):
+    """The engine for these settings; `progress(what, done, total)` hears about loading
+    where the engine reports it (streamed layers)."""
     import engine
     return engine.open(settings.model, device=settings.device, dtype=settings.dtype, drafter=settings.drafter,
                        draft_model=settings.draft_model, draft_tokens=settings.draft_tokens,
                        memory_budget=settings.vram, host_memory=settings.ram, profile=settings.profile,
-                       context=settings.context)
+                       context=settings.context, progress=progress)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,47 @@ def format_stats(s) -> str:
     return line + f" · peak memory {human_bytes(peak)}"
 
 
+def partial_answer(chat) -> str:
+    last = chat.messages[-1] if chat.messages else None
+    return last["content"] if last and last["role"] == "assistant" else ""
+
+
+class OneshotLog:
+    """One-shot prompts are saved as one-turn conversations (source "oneshot"), like
+    `llm` logs them: the prompt before the answer starts, the answer when it ends.
+    A history that cannot be opened or written is one warning line, never a failure."""
+
+    def __init__(self, db, cid: int | None):
+        self.db, self.cid = db, cid
+
+    @classmethod
+    def open(cls, enabled: bool, data_dir: str | None, prompt: str, model: str,
+             system: str | None) -> "OneshotLog":
+        if not enabled:               # --no-log
+            return cls(None, None)
+        from . import history
+        try:
+            db = history.History.open(history.default_path(data_dir))
+            cid = db.new_conversation(history.title_from(prompt), model=model, system=system, source="oneshot")
+            db.add_message(cid, "user", prompt)
+            return cls(db, cid)
+        except history.HistoryError as exc:
+            error(f"{exc} (--no-log skips saving)")
+            return cls(None, None)
+
+    def answer(self, done, stats) -> None:
+        if self.db is None:
+            return
+        from . import history
+        try:
+            self.db.add_message(self.cid, "assistant", done.text, finish_reason=done.reason, error=done.error,
+                                stats=stats.as_dict() if stats else None)
+        except history.HistoryError as exc:
+            error(str(exc))
+        self.db.close()
+        self.db = None
+
+
 def run_oneshot(args, settings) -> int:
     import engine
 
@@ -56,6 +97,7 @@ def run_oneshot(args, settings) -> int:
         error(str(exc))
         return EXIT_USAGE
     chat = eng.chat(system=settings.system)
+    log = OneshotLog.open(not args.no_log, args.data_dir, prompt, eng.name, settings.system)
     out = sys.stdout
     stream = not args.json
     done, stats, wrote_newline = None, None, True
@@ -75,6 +117,7 @@ def run_oneshot(args, settings) -> int:
         error(str(exc))
         return EXIT_USAGE
     except KeyboardInterrupt:
+        log.answer(chat.last_done or engine.Done("cancelled", text=partial_answer(chat)), stats)
         # What was generated is already on stdout; end the line and say so.
         if stream and not wrote_newline:
             out.write("\n")
@@ -83,8 +126,10 @@ def run_oneshot(args, settings) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (e.g. `| head`): not an error of ours.
+        log.answer(chat.last_done or engine.Done("cancelled", text=partial_answer(chat)), stats)
         sys.stderr.close()
         return EXIT_OK
+    log.answer(done, stats)
     if args.json:
         record = {"model": eng.name, "text": done.text, "token_ids": list(done.token_ids),
                   "finish_reason": done.reason, "stats": stats.as_dict() if stats else {}}
