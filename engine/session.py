@@ -82,6 +82,16 @@ class Chat:
     def clear(self) -> None:
         self.messages = [m for m in self.messages if m["role"] == "system"]
 
+    def restore(self, messages: list[dict]) -> None:
+        """Replace the conversation (a saved one resumed, or the turns before a retried
+        answer). Not while an answer is being generated. The KV cache is not touched:
+        the next turn keeps whatever prefix of it still matches, as any turn does."""
+        roles = ("system", "user", "assistant")
+        for i, m in enumerate(messages):
+            if m.get("role") not in roles or not isinstance(m.get("content"), str):
+                raise BadRequest(f"message {i}: needs a role ({', '.join(roles)}) and text content")
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+
     def _prompt(self) -> tuple[list[int], str]:
         """Token ids and text of the conversation up to the answer about to be written."""
         tok = self.engine.tokenizer
