@@ -27,6 +27,11 @@ def tiny_engine(tiny_llama):
     return engine.open(str(tiny_llama))
 
 
+def loader(eng):
+    """A load_engine for ChatApp that hands over an engine opened by the test."""
+    return lambda settings, progress: eng
+
+
 async def wait_for(pilot, condition, timeout: float = DEADLINE, what: str = "condition") -> None:
     end = time.monotonic() + timeout
     while not condition():
@@ -64,7 +69,7 @@ def test_prompt_gets_an_answer_and_live_stats(tiny_engine):
     settings = Settings(max_tokens=24)
 
     async def main():
-        app = ChatApp(lambda: tiny_engine, settings)
+        app = ChatApp(loader(tiny_engine), settings)
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
             assert app.status_bar.model == tiny_engine.name
@@ -98,7 +103,7 @@ def test_escape_stops_a_long_answer_and_keeps_the_partial_text(tiny_engine):
     settings = Settings(max_tokens=max_tokens)
 
     async def main():
-        app = ChatApp(lambda: tiny_engine, settings)
+        app = ChatApp(loader(tiny_engine), settings)
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
             await type_and_send(pilot, "Tell me a long story.")
@@ -137,7 +142,7 @@ def test_second_send_is_refused_while_answering(tiny_engine):
         return send_after_gate
 
     async def main():
-        app = ChatApp(lambda: tiny_engine, Settings(max_tokens=8))
+        app = ChatApp(loader(tiny_engine), Settings(max_tokens=8))
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
             app.chat.send = gated(app.chat.send)
@@ -163,7 +168,7 @@ def test_ctrl_l_clears_the_view_and_the_conversation(tiny_engine):
     settings = Settings(max_tokens=8, system="Be brief.")
 
     async def main():
-        app = ChatApp(lambda: tiny_engine, settings)
+        app = ChatApp(loader(tiny_engine), settings)
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
             await type_and_send(pilot, "hello")
@@ -183,7 +188,7 @@ def test_ctrl_l_mid_answer_stops_it_then_clears(tiny_engine):
     tiny_engine.stop_ids = frozenset()
 
     async def main():
-        app = ChatApp(lambda: tiny_engine, Settings(max_tokens=4000))
+        app = ChatApp(loader(tiny_engine), Settings(max_tokens=4000))
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
             await type_and_send(pilot, "Tell me a long story.")
@@ -205,7 +210,7 @@ def test_quitting_mid_answer_ends_the_generation(tiny_engine):
     max_tokens = 4000
 
     async def main():
-        app = ChatApp(lambda: tiny_engine, Settings(max_tokens=max_tokens))
+        app = ChatApp(loader(tiny_engine), Settings(max_tokens=max_tokens))
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
             await type_and_send(pilot, "Tell me a long story.")
@@ -227,7 +232,7 @@ def test_load_failure_is_shown_and_the_app_stays_open():
     and the app keeps running and refuses to send."""
     may_fail = threading.Event()
 
-    def load():
+    def load(settings, progress):
         may_fail.wait(DEADLINE)
         raise engine.ModelNotFound("x: not found")
 

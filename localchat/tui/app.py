@@ -1,83 +1,124 @@
-"""The chat TUI: a conversation, an input line and a status bar, on top of the engine.
+"""The chat TUI: conversations, an input box and live engine gauges, on top of the engine.
 
 Threads. Textual widgets belong to the UI thread (the asyncio loop). The engine blocks
-(loading a model takes seconds, every decoding step a few milliseconds), so it runs in
-thread workers:
+(loading a model takes seconds to minutes, every decoding step a few milliseconds), so
+it runs in thread workers:
 
-- `_load` calls `load_engine()` once at start, so the window opens at once;
+- `_load` calls `load_engine(settings, progress)` (at start, and for /model and
+  /profile), so the window opens at once and shows the loading progress;
 - `_generate` iterates `Chat.send(...)` and posts what it got to the UI thread as
   `Progress` messages, at most every `FLUSH_SECONDS` and never more than one in flight,
   without waiting for them to be drawn, so decoding and drawing overlap and a fast model
-  does not flood the event loop with one repaint per token.
+  does not flood the event loop with one repaint per token. When the answer ends it
+  commits it to the history itself, before telling the UI: quitting mid-answer still
+  saves the partial answer.
 
 `Chat.cancel()` is the one engine call made from the UI thread while a worker runs
 (Esc, Ctrl+L, quitting): it is a thread-safe flag the decode loop checks between steps.
 
-Layout (ids are what app.tcss styles and later features hook into):
+What is saved when (see `store.py` and `localchat/history.py`): a prompt is committed
+before its answer starts; an answer when it ends, is stopped or fails.
 
-    #body (Horizontal)          a sidebar of saved conversations will dock here
+Layout (ids are what app.tcss styles and the tests query):
+
+    #body (Horizontal)
+      Sidebar #sidebar              saved conversations (Ctrl+B), docked left
       #chat (Vertical)
         Conversation #conversation
-        Input #prompt
-    StatusBar #status           docked at the bottom
+        GaugesPanel #gauges         the engine gauges (Ctrl+G)
+        PromptInput #prompt
+    StatusBar #status               docked at the bottom
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.message import Message
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Input
+from textual.message import Message
 from textual.worker import get_current_worker
 
 import engine
+from localchat import config
 from localchat.config import Settings
+from localchat.format import human_bytes
 
-from .widgets import AssistantMessage, Conversation, StatusBar
+from .command_handlers import CommandHandlers
+from .commands import SlashCommandProvider, parse
+from .store import ChatStore
+from .widgets import AssistantMessage, Conversation, GaugesPanel, PromptInput, Sidebar, StatusBar, UserMessage
 
 FLUSH_SECONDS = 1 / 10      # at most 10 UI updates a second while an answer streams
 LOADING = "Loading model…"
 GENERATING = "generating"
+EDITING = "editing your last prompt · Enter resends · Esc cancels"
+
+# load_engine(settings, progress) -> Engine; progress(what, done, total) may be called
+# from the loading thread.
+LoadEngine = Callable[[Settings, Callable[[str, int, int], None]], engine.Engine]
 
 
-class ChatApp(App):
-    """Chat with a local model. `load_engine` is called in a worker thread at start;
-    it may raise `engine.EngineError`, which is shown and leaves the app open."""
+class ChatApp(CommandHandlers, App):
+    """Chat with a local model. `load_engine` runs in a worker thread; it may raise
+    `engine.EngineError`, which is shown and leaves the app open. `store` saves the
+    conversations (a store without a database chats in memory); `resume` is a
+    conversation id, or "last", to open at start."""
 
     # Absolute, so a subclass defined elsewhere (a test, a later screen) finds it too.
     CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "localchat"
     AUTO_FOCUS = "#prompt"
+    COMMANDS = App.COMMANDS | {SlashCommandProvider}
     BINDINGS = [
         Binding("escape", "stop", "Stop answer"),
+        Binding("ctrl+r", "retry", "Retry"),
+        Binding("ctrl+e", "edit", "Edit last prompt"),
+        Binding("ctrl+y", "copy_answer", "Copy answer"),
+        Binding("ctrl+b", "toggle_sidebar", "Conversations"),
+        Binding("ctrl+g", "toggle_gauges", "Gauges"),
+        Binding("ctrl+n", "new", "New chat"),
         Binding("ctrl+l", "clear", "Clear conversation"),
+        Binding("f2", "settings", "Settings"),
     ]
 
-    def __init__(self, load_engine: Callable[[], engine.Engine], settings: Settings) -> None:
+    def __init__(self, load_engine: LoadEngine, settings: Settings, store: ChatStore | None = None,
+                 resume: int | str | None = None, save_settings: bool = True) -> None:
         super().__init__()
         self._load_engine = load_engine
         self.settings = settings
+        self.store = store or ChatStore(None)
+        self.resume = resume
+        self.save_settings = save_settings
         self.engine: engine.Engine | None = None
         self.chat: engine.Chat | None = None
         self.load_error: str | None = None
+        self.editing = False                            # the box holds the last prompt, to resend in its place
+        self.system = settings.system                   # this conversation's system message
+        self._carry: list[dict] | None = None           # messages for the chat the next load creates
         self._reply: AssistantMessage | None = None     # the answer being written, if any
         self._clear_when_done = False
         self._ui_busy = threading.Event()               # a Progress batch is being drawn
+        self._idle = threading.Event()                  # no generation thread running
+        self._idle.set()
+        self._loading: dict = {}                        # what the load thread reports, read by a timer
 
     # -- layout
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):
+            yield Sidebar(self.store.conversations if self.store.saving else None, id="sidebar")
             with Vertical(id="chat"):
                 yield Conversation(id="conversation")
-                yield Input(placeholder="Message · Enter send · Esc stop · Ctrl+L clear · Ctrl+Q quit",
-                            id="prompt")
+                yield GaugesPanel(id="gauges")
+                yield PromptInput(self.store.prompts(), id="prompt",
+                                  placeholder="Message · Enter send · Shift+Enter/Ctrl+J newline · "
+                                              "↑ history · /help · Ctrl+P commands")
         yield StatusBar(id="status")
 
     @property
@@ -89,71 +130,195 @@ class ChatApp(App):
         return self.query_one("#status", StatusBar)
 
     @property
+    def gauges(self) -> GaugesPanel:
+        return self.query_one("#gauges", GaugesPanel)
+
+    @property
+    def sidebar(self) -> Sidebar:
+        return self.query_one("#sidebar", Sidebar)
+
+    @property
+    def prompt_input(self) -> PromptInput:
+        return self.query_one("#prompt", PromptInput)
+
+    @property
     def generating(self) -> bool:
         return self._reply is not None
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
         if self.settings.theme and self.settings.theme != self.theme:
             if self.settings.theme in self.available_themes:
                 self.theme = self.settings.theme
             else:
                 self.notify(f"theme {self.settings.theme!r} is unknown; using {self.theme}",
                             severity="warning")
-        self.status_bar.activity = LOADING
-        self._load()
+        await self.report_store_problem()
+        if self.resume is not None:
+            await self._resume(self.resume)
+        self._start_loading()
 
     def on_unmount(self) -> None:
-        # Quitting mid-answer: let the generation thread end at its next step.
+        # Quitting mid-answer: let the generation thread end at its next step (it saves
+        # the partial answer as it ends).
         if self.chat is not None:
             self.chat.cancel()
 
+    def wait_for_generation(self, timeout: float) -> bool:
+        """Block until no answer is being generated (its partial text is saved by then)."""
+        return self._idle.wait(timeout)
+
+    def watch_theme(self, theme: str) -> None:
+        # A theme picked anywhere (settings, the palette's "Change theme") is kept.
+        if self.is_mounted and theme != self.settings.theme:
+            self.settings = replace(self.settings, theme=theme)
+            self.persist_settings(("theme",))
+
+    def persist_settings(self, keys: tuple[str, ...]) -> None:
+        if not self.save_settings:
+            return
+        try:
+            config.save(self.settings, keys=keys)
+        except OSError as exc:
+            self.notify(f"{config.config_path()}: cannot save the settings ({exc.strerror or exc})",
+                        severity="error")
+
+    async def report_store_problem(self) -> None:
+        """Show a history failure once, as a line in the conversation (the chat goes on)."""
+        problem = self.store.take_problem()
+        if problem:
+            await self.conversation.add_notice(problem, error=True)
+            self.notify(problem, title="Conversations", severity="warning", timeout=8)
+
     # -- loading the model
 
+    def _start_loading(self) -> None:
+        self.engine = self.chat = None
+        self.load_error = None
+        self._loading = {"started": time.monotonic(), "rss": _rss(), "what": ""}
+        self.status_bar.model = ""
+        self.status_bar.activity = LOADING
+        self._load_timer = self.set_interval(0.5, self._show_loading)
+        self._load(self.settings)
+
+    def _show_loading(self) -> None:
+        info = self._loading
+        if not info:
+            return
+        name = self.settings.model or "the demo model"
+        line = f"Loading {name}… {time.monotonic() - info['started']:.0f} s · {human_bytes(max(0, _rss() - info['rss']))} in memory"
+        if info.get("total"):
+            line += f" · {info['what']} {info['done']}/{info['total']}"
+        self.status_bar.activity = line
+
+    def _progress(self, what: str, done: int, total: int) -> None:
+        """Called by the engine from the loading thread: only note it, the timer draws it."""
+        self._loading.update(what=what, done=done, total=total)
+
     @work(thread=True, name="load", group="load", exit_on_error=False)
-    def _load(self) -> None:
+    def _load(self, settings: Settings) -> None:
         try:
-            eng = self._load_engine()
-            chat = eng.chat(system=self.settings.system)
-            context_max = int(eng.describe().get("context_max") or 0)
+            eng = self._load_engine(settings, self._progress)
         except engine.EngineError as exc:
             self._to_ui(self._load_failed, str(exc))
             return
         except Exception as exc:   # a bug or a library failure: one line, not a traceback over the UI
             self._to_ui(self._load_failed, f"{type(exc).__name__}: {exc}")
             return
-        self._to_ui(self._loaded, eng, chat, context_max)
+        self._to_ui(self._loaded, eng)
 
-    def _loaded(self, eng: engine.Engine, chat: engine.Chat, context_max: int) -> None:
+    def _stop_loading_timer(self) -> None:
+        self._loading = {}
+        self._load_timer.stop()
+
+    def _loaded(self, eng: engine.Engine) -> None:
+        self._stop_loading_timer()
+        chat = eng.chat(system=self.system)
+        if self._carry:
+            chat.restore(self._carry)
+            chat.set_system(self.system)    # a /system typed while loading wins
+        self._carry = None
         self.engine, self.chat = eng, chat
+        description = eng.describe()
         status = self.status_bar
         status.model = eng.name
-        status.context_max = context_max
+        status.context_max = int(description.get("context_max") or 0)
         status.activity = ""
+        self.gauges.set_engine(description, eng.plan, _host_total())
 
     async def _load_failed(self, message: str) -> None:
+        self._stop_loading_timer()
         message = " ".join(message.split())      # one line, whatever the exception carried
         self.load_error = message
-        status = self.status_bar
-        status.activity = "no model loaded"
+        self.status_bar.activity = "no model loaded"
         await self.conversation.add_notice(message, error=True)
         self.notify(message, title="Could not load the model", severity="error", timeout=10)
 
+    def reload_engine(self, settings: Settings) -> None:
+        """Load the engine again with other settings (/model, /profile); the conversation
+        carries over to the new chat."""
+        if self.chat is not None:
+            self._carry = [dict(m) for m in self.chat.messages]
+        self.settings = settings
+        self._start_loading()
+
     # -- sending
 
-    async def on_input_submitted(self, event: Input.Submitted) -> None:
-        prompt = event.value.strip()
-        if not prompt:
+    def put_in_prompt(self, text: str) -> None:
+        box = self.prompt_input
+        box.load_text(text)
+        box.move_cursor(box.document.end)
+        box.focus()
+
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        text = event.text.strip()
+        if not text:
             return
+        command = parse(text)
+        if command is not None:
+            event.prompt_input.remember(text)
+            event.prompt_input.clear()
+            await self.run_command(*command)
+            return
+        if text.startswith("//"):     # "//" sends a prompt that starts with "/"
+            text = text[1:]
+        mode = "edit" if self.editing else "new"
+        if await self.start_answer(text, mode):
+            event.prompt_input.remember(text)
+            event.prompt_input.clear()
+
+    def _can_send(self) -> bool:
         if self.chat is None:
             if self.load_error:
                 self.notify(f"No model loaded: {self.load_error}", severity="error")
             else:
                 self.notify("The model is still loading…", severity="warning")
-            return
+            return False
         if self.generating:
             self.notify("An answer is still being written: wait, or press Esc to stop it.",
                         severity="warning")
-            return
+            return False
+        return True
+
+    def last_exchange(self) -> tuple[str, str] | None:
+        """(prompt, answer) of the last turn, if the conversation ends with one."""
+        m = self.chat.messages if self.chat else []
+        if len(m) >= 2 and m[-2]["role"] == "user" and m[-1]["role"] == "assistant":
+            return m[-2]["content"], m[-1]["content"]
+        return None
+
+    async def start_answer(self, prompt: str, mode: str = "new") -> bool:
+        """Send `prompt` and stream its answer. mode: "new" (a new turn), "retry" (answer
+        the last prompt again, replacing its answer), "edit" (replace the last prompt and
+        its answer). False if it could not start (said why)."""
+        if not self._can_send():
+            return False
+        before = self.chat.messages
+        if mode != "new":
+            if self.last_exchange() is None:
+                self.notify("There is no answered prompt to replace.", severity="warning")
+                self.end_editing()
+                return False
+            self.chat.restore(before[:-2])
         s = self.settings
         try:
             # send() checks its arguments before it changes the conversation: a bad
@@ -161,22 +326,48 @@ class ChatApp(App):
             events = self.chat.send(prompt, max_new_tokens=s.max_tokens, temperature=s.temperature,
                                     top_p=s.top_p, top_k=s.top_k, seed=s.seed)
         except engine.EngineError as exc:
+            self.chat.restore(before)
             self.notify(str(exc), severity="error")
-            return
-        event.input.clear()
-        await self.conversation.add_user(prompt)
+            return False
+        if mode == "retry":
+            await self.conversation.remove_last(AssistantMessage)
+        elif mode == "edit":
+            await self.conversation.remove_last(AssistantMessage, UserMessage)
+        if mode != "retry":
+            await self.conversation.add_user(prompt)
+            # Committed before the first token is generated (the events are lazy: nothing
+            # has run yet).
+            self.store.save_prompt(prompt, self.engine.name, self.system, replace_last=mode == "edit")
+        self.end_editing()
         reply = await self.conversation.add_assistant()
         reply.start()
         self._reply = reply
+        self._idle.clear()
+        self.gauges.start_answer()
         self.status_bar.activity = GENERATING
-        self._generate(events, reply)
+        self._generate(events, reply, mode == "retry")
+        await self.report_store_problem()
+        return True
 
     @work(thread=True, name="generate", group="generate", exit_on_error=False)
-    def _generate(self, events, reply: AssistantMessage) -> None:
-        """Drain the engine's events; hand them to the UI in batches."""
+    def _generate(self, events, reply: AssistantMessage, replaces_answer: bool) -> None:
+        """Drain the engine's events; hand them to the UI in batches; save the answer."""
+        try:
+            stats, done = self._drain(events, reply)
+            self.store.save_answer(done.text, done.reason, done.error, stats.as_dict() if stats else None,
+                                   replace_last=replaces_answer)
+            # The last batch must be drawn before the final full render replaces it.
+            deadline = time.monotonic() + 5
+            while self._ui_busy.is_set() and time.monotonic() < deadline and self.is_running:
+                time.sleep(0.005)
+            self._to_ui(self._end_answer, reply, stats, done)
+        finally:
+            self._idle.set()
+
+    def _drain(self, events, reply: AssistantMessage) -> tuple[engine.Stats | None, engine.Done]:
         worker = get_current_worker()
         pending: list[str] = []
-        stats: engine.Stats | None = None
+        stats = last_stats = None
         done: engine.Done | None = None
         last_flush = 0.0
         try:
@@ -184,7 +375,7 @@ class ChatApp(App):
                 if isinstance(event, engine.TextDelta):
                     pending.append(event.text)
                 elif isinstance(event, engine.Stats):
-                    stats = event
+                    stats = last_stats = event
                 elif isinstance(event, engine.Done):
                     done = event
                 if worker.is_cancelled:
@@ -212,11 +403,7 @@ class ChatApp(App):
         if done is None:           # the generator ended without Done: should not happen
             done = engine.Done("error", text=reply_text_fallback(self.chat, pending),
                                error="the answer ended without a final event")
-        # The last batch must be drawn before the final full render replaces it.
-        deadline = time.monotonic() + 5
-        while self._ui_busy.is_set() and time.monotonic() < deadline and self.is_running:
-            time.sleep(0.005)
-        self._to_ui(self._end_answer, reply, stats, done)
+        return last_stats, done
 
     class Progress(Message):
         """A batch of answer text and the latest stats, posted by the generation thread."""
@@ -227,13 +414,16 @@ class ChatApp(App):
 
     async def on_chat_app_progress(self, message: "ChatApp.Progress") -> None:
         try:
-            await self._show_progress(message.reply, message.text, message.stats)
+            if message.stats is not None:
+                self.status_bar.stats = message.stats
+                self.gauges.update(message.stats)
+            if message.text:
+                await message.reply.write(message.text)
         finally:
             self._ui_busy.clear()
 
     def _to_ui(self, callback, *args) -> bool:
-        """Run `callback` on the UI thread and wait for it (the wait is the back-pressure
-        that keeps a fast model from outrunning the screen). False if it could not run:
+        """Run `callback` on the UI thread and wait for it. False if it could not run:
         the app has stopped, or is tearing its widgets down."""
         try:
             self.call_from_thread(callback, *args)
@@ -243,29 +433,89 @@ class ChatApp(App):
                 self.chat.cancel()
             return False
 
-    async def _show_progress(self, reply: AssistantMessage, text: str,
-                             stats: engine.Stats | None) -> None:
-        if stats is not None:
-            self.status_bar.stats = stats
-        if text:
-            await reply.write(text)
-
     async def _end_answer(self, reply: AssistantMessage, stats: engine.Stats | None,
                           done: engine.Done) -> None:
         if stats is not None:
             self.status_bar.stats = stats
+            self.gauges.update(stats)
         await reply.finish(done.text, done.reason, done.error)
         self._reply = None
         self.status_bar.activity = ""
+        await self.report_store_problem()
+        await self.sidebar.reload()
         if self._clear_when_done:
             self._clear_when_done = False
             await self._clear()
 
     # -- actions
 
+    def end_editing(self) -> None:
+        self.editing = False
+        box = self.prompt_input
+        box.remove_class("-editing")
+        box.border_title = None
+        if self.status_bar.activity == EDITING:
+            self.status_bar.activity = ""
+
     def action_stop(self) -> None:
         if self.generating and self.chat is not None:
             self.chat.cancel()
+        elif self.editing:
+            self.end_editing()
+            self.prompt_input.clear()
+
+    async def action_retry(self) -> None:
+        if not self._can_send():
+            return
+        exchange = self.last_exchange()
+        if exchange is None:
+            self.notify("There is no answer to retry yet.", severity="warning")
+            return
+        await self.start_answer(exchange[0], "retry")
+
+    def action_edit(self) -> None:
+        if self.generating:
+            self.notify("Stop the answer first (Esc).", severity="warning")
+            return
+        exchange = self.last_exchange()
+        if exchange is None:
+            self.notify("There is no prompt to edit yet.", severity="warning")
+            return
+        self.editing = True
+        self.put_in_prompt(exchange[0])
+        box = self.prompt_input
+        box.add_class("-editing")
+        box.border_title = "editing the last prompt"
+        self.status_bar.activity = EDITING
+
+    def action_copy_answer(self) -> None:
+        answers = self.query(AssistantMessage)
+        if not answers or not answers.last().text:
+            self.notify("There is no answer to copy yet.", severity="warning")
+            return
+        self.copy_to_clipboard(answers.last().text)
+        self.notify("Copied the answer", timeout=2)
+
+    async def action_toggle_sidebar(self) -> None:
+        sidebar = self.sidebar
+        sidebar.toggle_class("-show")
+        if sidebar.has_class("-show"):
+            sidebar.current = self.store.cid
+            await sidebar.reload()
+            sidebar.query_one("#conversation-list").focus()
+        else:
+            self.prompt_input.focus()
+
+    def action_toggle_gauges(self) -> None:
+        self.gauges.toggle_class("-show")
+
+    async def action_new(self) -> None:
+        if self.generating:
+            self.notify("Stop the answer first (Esc).", severity="warning")
+            return
+        self.system = self.settings.system
+        await self._clear()
+        self.prompt_input.focus()
 
     async def action_clear(self) -> None:
         if self.generating:
@@ -277,9 +527,89 @@ class ChatApp(App):
         await self._clear()
 
     async def _clear(self) -> None:
+        """Empty the screen and the model's context; the next prompt starts a new saved
+        conversation (the old one stays in the history)."""
+        self.end_editing()
         await self.conversation.clear()
+        self.store.start_new()
         if self.chat is not None:
-            self.chat.clear()
+            self.chat.restore([{"role": "system", "content": self.system}] if self.system else [])
+        self.sidebar.current = None
+        await self.sidebar.reload()
+
+    # -- conversations (the sidebar)
+
+    async def _resume(self, which: int | str) -> None:
+        cid = self.store.last_id() if which == "last" else int(which)
+        if cid is None:
+            note = ("--continue: no saved conversation yet; this is a new one" if self.store.saving
+                    else "--continue: conversations are not being saved, so there is none to continue")
+            await self.conversation.add_notice(note)
+            return
+        if not await self.open_conversation(cid):
+            await self.conversation.add_notice(f"--cid {cid}: no such conversation (see `localchat history`); "
+                                               "this is a new one", error=True)
+
+    async def open_conversation(self, cid: int) -> bool:
+        if self.generating:
+            self.notify("Stop the answer first (Esc).", severity="warning")
+            return False
+        conv = self.store.open(cid)
+        await self.report_store_problem()
+        if conv is None:
+            return False
+        self.end_editing()
+        self.system = conv.system
+        await self.conversation.clear()
+        for m in conv.messages:
+            if m.role == "user":
+                await self.conversation.add_user(m.content)
+            elif m.role == "assistant":
+                await self.conversation.add_finished(m.content, m.finish_reason, m.error)
+        self.conversation.scroll_end(animate=False)
+        messages = conv.engine_messages()
+        if self.chat is not None:
+            self.chat.restore(messages)
+        else:
+            self._carry = messages    # the model is still loading: the chat takes them when it exists
+        self.sidebar.current = cid
+        return True
+
+    async def on_sidebar_open(self, message: Sidebar.Open) -> None:
+        if await self.open_conversation(message.cid):
+            await self.sidebar.reload()
+            self.prompt_input.focus()
+
+    async def on_sidebar_new(self, message: Sidebar.New) -> None:
+        await self.action_new()
+
+    def on_sidebar_rename(self, message: Sidebar.Rename) -> None:
+        from .screens import TextPromptScreen
+
+        async def renamed(title: str | None) -> None:
+            if title is not None and title.strip():
+                self.store.rename(message.cid, title.strip())
+                await self.report_store_problem()
+                await self.sidebar.reload()
+        self.push_screen(TextPromptScreen("New title:", self.store.title(message.cid)), renamed)
+
+    def on_sidebar_delete(self, message: Sidebar.Delete) -> None:
+        from .screens import ConfirmScreen
+        title = self.store.title(message.cid) or "this conversation"
+
+        async def answered(yes: bool | None) -> None:
+            if not yes:
+                return
+            if message.cid == self.store.cid and self.generating:
+                self.notify("Stop the answer first (Esc).", severity="warning")
+                return
+            current = message.cid == self.store.cid
+            if self.store.delete(message.cid) and current:
+                await self._clear()
+            await self.report_store_problem()
+            await self.sidebar.reload()
+        self.push_screen(ConfirmScreen(f"Delete “{title}”? Its messages are removed from the history; "
+                                       "this cannot be undone."), answered)
 
 
 def reply_text_fallback(chat: engine.Chat | None, pending: list[str]) -> str:
@@ -290,8 +620,27 @@ def reply_text_fallback(chat: engine.Chat | None, pending: list[str]) -> str:
     return "".join(pending)
 
 
-def run_tui(load_engine: Callable[[], engine.Engine], settings: Settings) -> int:
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def _host_total() -> int:
+    import psutil
+    return psutil.virtual_memory().total
+
+
+def run_tui(load_engine: LoadEngine, settings: Settings, data_dir: str | None = None,
+            resume: int | str | None = None) -> int:
     """Run the chat app in the terminal until the user quits; the process exit code."""
-    app = ChatApp(load_engine, settings)
+    from localchat import history
+    try:
+        db, problem = history.History.open(history.default_path(data_dir)), None
+    except history.HistoryError as exc:
+        db, problem = None, str(exc)     # chat in memory; the app shows why
+    app = ChatApp(load_engine, settings, ChatStore(db, problem), resume=resume)
     app.run()
+    app.wait_for_generation(10)          # a stopped answer is saved by its own thread
+    if db is not None:
+        db.close()
     return app.return_code or 0

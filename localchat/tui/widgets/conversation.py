@@ -30,6 +30,22 @@ class Conversation(VerticalScroll):
         self.anchor()
         return message
 
+    async def add_finished(self, text: str, reason: str | None, error: str | None = None) -> AssistantMessage:
+        """An answer that already ended (a resumed conversation)."""
+        message = await self.add_assistant()
+        await message.finish(text, reason or "stop", error or "")
+        return message
+
+    async def remove_last(self, *kinds: type) -> None:
+        """Remove the trailing messages of these kinds, newest first, one per kind given
+        (`remove_last(AssistantMessage)`, `remove_last(AssistantMessage, UserMessage)`);
+        notices in between go too: they were about the turn being replaced."""
+        for kind in kinds:
+            while self.children and isinstance(self.children[-1], Notice):
+                await self.children[-1].remove()
+            if self.children and isinstance(self.children[-1], kind):
+                await self.children[-1].remove()
+
     async def add_notice(self, text: str, error: bool = False) -> Notice:
         notice = Notice(text, error=error)
         await self.mount(notice)
