@@ -1,0 +1,69 @@
+"""How close a target (quantized, another dtype) stays to the exact model, teacher-forced
+on a held text: both read the same tokens, and at every position we compare what each
+predicts next.
+
+- top-1 agreement: the share of positions where both would pick the same greedy token;
+- mean KL(exact || candidate) of the next-token distributions, in nats;
+- perplexity of each on the text itself (exp of the mean negative log-likelihood of the
+  token that really follows), so a change of quality shows next to a change of answers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    tokens: int                 # positions compared (text length - 1)
+    top1_agreement: float
+    mean_kl: float
+    ppl_reference: float
+    ppl_candidate: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Sums:
+    n: int = 0
+    agree: int = 0
+    kl: float = 0.0
+    nll_ref: float = 0.0
+    nll_cand: float = 0.0
+
+    def add(self, ref: torch.Tensor, cand: torch.Tensor, nxt: torch.Tensor) -> None:
+        lp = torch.log_softmax(ref.double(), -1)
+        lq = torch.log_softmax(cand.double(), -1)
+        rows = torch.arange(nxt.numel())
+        self.n += nxt.numel()
+        self.agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+        self.kl += float((lp.exp() * (lp - lq)).sum())
+        self.nll_ref -= float(lp[rows, nxt].sum())
+        self.nll_cand -= float(lq[rows, nxt].sum())
+
+    def result(self) -> Fidelity:
+        n = max(1, self.n)
+        return Fidelity(self.n, self.agree / n, self.kl / n, math.exp(self.nll_ref / n), math.exp(self.nll_cand / n))
+
+
+def measure(reference, candidate, texts: list[list[int]], chunk: int = 256) -> Fidelity:
+    """Teacher-force each token sequence through both targets (anything with forward(ids,
+    all_logits) and a cache) in chunks, and compare their next-token predictions. Each
+    text starts from an empty cache; the caches are left empty."""
+    sums = _Sums()
+    for ids in texts:
+        for t in (reference, candidate):
+            t.cache.rollback(0)
+        for a in range(0, len(ids) - 1, chunk):
+            piece = ids[a:a + chunk]
+            nxt = torch.tensor(ids[a + 1:a + 1 + len(piece)])
+            ref = reference.forward(piece, all_logits=True)[:nxt.numel()]
+            cand = candidate.forward(piece, all_logits=True)[:nxt.numel()]
+            sums.add(ref.float().cpu(), cand.float().cpu(), nxt)
+    for t in (reference, candidate):
+        t.cache.rollback(0)
+    return sums.result()

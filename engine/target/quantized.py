@@ -1,0 +1,340 @@
+"""A target whose decoder linear layers are kept on the device weight-only quantized, int8
+per output channel or int4 group-wise (qweights.py says how, and why the aten kernels),
+with activations in bfloat16 where the device computes it natively.
+
+Quantization streams: one decoder layer is read from the safetensors files (in row
+chunks, each through a short-lived mapping), quantized, written to the disk cache and
+packed for the device before the next is read, so a model larger than host memory
+quantizes in about one layer's worth of host memory on top of its quantized output. The
+second start reads the cache (qcache.py) and skips the source weights entirely.
+
+The forward is the Llama-family fast forward, unchanged: `_linear` hands a packed weight
+its own kernel. Embeddings and head stay in the activation dtype unless
+`embeddings=True`, which quantizes them like the layers (a tied head then also serves
+the embedding lookups, so nothing is stored twice).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from .. import hardware
+from ..cache import KVCache
+from ..checkpoint import TensorEntry, default_cache_dir, tensor_index
+from ..errors import BadRequest, CheckpointError, UnsupportedModel
+from . import llama_family, qweights
+from .qcache import QuantCache, cache_path, source_identity
+from .resident import ResidentTarget
+
+FORMATS = ("int8", "int4")
+# Each decoder linear weight of the fast forward and the checkpoint matrices it fuses.
+LINEARS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "o": ("self_attn.o_proj",),
+           "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+           "down": ("mlp.down_proj",)}
+# Plain tensors of a layer: LayerWeights field -> checkpoint name (optional ones may be absent).
+PLAIN = {"ln1": "input_layernorm.weight", "ln2": "post_attention_layernorm.weight",
+         "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+         "o_bias": "self_attn.o_proj.bias"}
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """What was loaded and how: for `localchat doctor`, the stats line and the benchmarks."""
+    weights: str                 # int8 | int4
+    group_size: int | None       # None for int8 (per output channel)
+    embeddings: bool             # embeddings/head quantized too
+    act_dtype: torch.dtype
+    cache_dir: Path
+    cache_hit: bool
+    load_seconds: float
+    int8_kernel: bool            # False: the dequantize-and-multiply fallback runs
+    int4_kernel: bool
+
+
+class QuantizedForward(llama_family.LlamaFamilyForward):
+    """The fast forward over packed weights, built from the pieces (there is no model
+    with real weights to take them from)."""
+
+    def __init__(self, cfg, cache: KVCache, rotary, scaling: float, embed, norm: torch.Tensor, head,
+                 layers: list[llama_family.LayerWeights]):
+        self._setup(cfg, cache, rotary, scaling)
+        self.embed, self.norm, self.head = embed, norm, head
+        self.layers = layers
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        seen, out = set(), []
+        for w in [self.embed, self.norm, self.head] + [v for lw in self.layers for v in vars(lw).values()]:
+            for t in (w.tensors() if hasattr(w, "tensors") else [w] if w is not None else []):
+                if t.data_ptr() not in seen:        # a tied head is counted once
+                    seen.add(t.data_ptr())
+                    out.append(t)
+        return out
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if type(self.embed) is torch.Tensor:
+            return F.embedding(ids, self.embed)
+        return self.embed.rows(ids)
+
+
+class QuantizedTarget(ResidentTarget):
+    """ResidentTarget's interface (forward, cache, weight_bytes, device_bytes) over a
+    QuantizedForward; only the construction differs."""
+
+    def __init__(self, cfg, device: torch.device, act_dtype: torch.dtype, impl_parts: dict, info: QuantInfo,
+                 cache_capacity: int = 1024):
+        self.config = cfg
+        self.device, self.dtype = device, act_dtype
+        self.vocab_size = cfg.vocab_size
+        self.max_positions = getattr(cfg, "max_position_embeddings", None) or 1 << 20
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, act_dtype, device,
+                             capacity=cache_capacity, max_positions=self.max_positions)
+        self.impl = QuantizedForward(cfg, self.cache, **impl_parts)
+        self.kind = "fast"
+        self.fallback_reason = None
+        self.quant = info
+        self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
+
+
+def load_quantized(path: Path, device: torch.device, weights: str, group_size: int = 32,
+                   act_dtype: torch.dtype | None = None, cache_dir: Path | None = None, progress=None,
+                   embeddings: bool = False) -> QuantizedTarget:
+    """Quantize the checkpoint at `path` (or load its cached quantized copy) onto `device`.
+
+    weights: int8 (per output channel) | int4 (group-wise, `group_size` along the input).
+    act_dtype: default bfloat16 where the device has native bf16, else float32 (CPU) or
+    float16 (GPU). embeddings: quantize embeddings and head too (default: keep them in
+    act_dtype). progress(what, done, total) is called per layer."""
+    t0 = time.perf_counter()
+    path = Path(path)
+    if weights not in FORMATS:
+        raise BadRequest(f"--weights {weights}: use one of {', '.join(FORMATS)} for a quantized target")
+    device = torch.device(device)
+    act_dtype = act_dtype or hardware.default_dtype(device, torch.bfloat16)
+    cfg, skeleton = _skeleton(path)
+    src = _Source(path, cfg)
+    _check_shapes(src, weights, group_size, embeddings)
+    group = group_size if weights == "int4" else None
+    settings = {"source": source_identity(path), "weights": weights, "group": group,
+                "act_dtype": str(act_dtype), "embeddings": embeddings}
+    cache = QuantCache(cache_path(Path(cache_dir) if cache_dir else default_cache_dir(), path, weights,
+                                  group_size, act_dtype, embeddings), settings)
+    progress = progress or (lambda what, done, total: None)
+    parts = _load_cached(cache, cfg, device, act_dtype, weights, group_size, progress)
+    hit = parts is not None
+    if not hit:
+        parts = quantize_checkpoint(src, cache, device, act_dtype, weights, group_size, embeddings, progress)
+    rotary = type(skeleton.model.rotary_emb)(config=cfg).to(device)
+    info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0,
+                     qweights._int8_kernel_works(device, act_dtype), qweights._int4_kernel_works(device, act_dtype))
+    return QuantizedTarget(cfg, device, act_dtype,
+                           dict(parts, rotary=rotary, scaling=skeleton.model.layers[0].self_attn.scaling), info)
+
+
+# ---------------------------------------------------------------- model shape, source reading
+
+def _skeleton(path: Path):
+    """The config and the model built on `meta`: its shapes and module code, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{path}: cannot read config.json ({exc.__class__.__name__}); "
+                              "re-download the model") from None
+    if cfg.model_type not in llama_family.SUPPORTED:
+        raise UnsupportedModel(f"{path}: quantized targets run the Llama family "
+                               f"({', '.join(sorted(llama_family.SUPPORTED))}); {cfg.model_type!r} is not one; "
+                               "use the resident-exact or streamed profile")
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    why_not = llama_family.can_run(skeleton)
+    if why_not is not None:
+        raise UnsupportedModel(f"{path}: a quantized target cannot run this model ({why_not}); "
+                               "use the resident-exact or streamed profile")
+    return cfg, skeleton
+
+
+class _Source:
+    """The checkpoint's tensors by name, read a row range at a time. Each read opens the
+    file, copies the rows out and closes it, so the pages it touched leave the process:
+    a reader of a model larger than RAM holds what it is working on and nothing more."""
+
+    def __init__(self, path: Path, cfg):
+        self.path = path
+        self.index: dict[str, TensorEntry] = tensor_index(path)
+        self.layers = cfg.num_hidden_layers
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False)) or "lm_head.weight" not in self.index
+        for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"):
+            if name not in self.index:
+                raise CheckpointError(f"{path}: no tensor {name} in the safetensors files; "
+                                      "this is not a Llama-family checkpoint in the Hugging Face layout")
+
+    def entry(self, name: str) -> TensorEntry:
+        e = self.index.get(name)
+        if e is None:
+            raise CheckpointError(f"{self.path}: tensor {name} is missing from the safetensors files; "
+                                  "re-download the model")
+        return e
+
+    def has(self, name: str) -> bool:
+        return name in self.index
+
+    def rows(self, name: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
+        e = self.entry(name)
+        try:
+            with safe_open(e.file, framework="pt") as fh:
+                if a is None:
+                    return fh.get_tensor(name).clone()
+                return fh.get_slice(name)[a:b]
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{e.file}: cannot read {name} ({exc}); re-download the model") from None
+
+    def quantized(self, name: str, fmt: str, group: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Quantize one [N, K] checkpoint matrix, chunk by chunk of rows."""
+        N, K = self.entry(name).shape
+        step = max(16, (qweights._CHUNK // K) // 16 * 16)
+        return qweights.concat([qweights.quantize(self.rows(name, a, min(N, a + step)), fmt, group, dtype)
+                                for a in range(0, N, step)])
+
+    def converted(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A whole tensor in `dtype`, converted chunk by chunk (an embedding table can be
+        as large as several layers)."""
+        shape = self.entry(name).shape
+        if len(shape) == 1:
+            return self.rows(name).to(dtype)
+        out = torch.empty(shape, dtype=dtype)
+        step = max(1, qweights._CHUNK // shape[1])
+        for a in range(0, shape[0], step):
+            out[a:a + step] = self.rows(name, a, min(shape[0], a + step))
+        return out
+
+
+def _check_shapes(src: _Source, fmt: str, group: int, embeddings: bool) -> None:
+    """int4 needs a group that divides every quantized matrix's input width: refuse up
+    front, naming the matrix and the group sizes that would work, rather than skip one."""
+    if fmt != "int4":
+        return
+    names = [f"model.layers.{i}.{m}.weight" for i in range(src.layers) for ms in LINEARS.values() for m in ms]
+    if embeddings:
+        names.append("model.embed_tokens.weight" if src.tied else "lm_head.weight")
+    for name in names:
+        N, K = src.entry(name).shape
+        why = qweights.int4_problem(N, K, group)
+        if why is not None:
+            ok = [g for g in qweights.INT4_GROUPS
+                  if all(qweights.int4_problem(*src.entry(n).shape, g) is None for n in names)]
+            fix = f"use --group-size {ok[0]}" if ok else "use --weights int8"
+            raise BadRequest(f"--group-size {group}: {why} of {name}; {fix}")
+
+
+# ---------------------------------------------------------------- quantize (cache miss) and load (hit)
+
+def quantize_checkpoint(src: _Source, cache: QuantCache, device: torch.device, act_dtype: torch.dtype,
+                        fmt: str, group: int, embeddings: bool, progress) -> dict:
+    """Layer by layer: read, quantize, write to the cache, pack for the device."""
+    writer = cache.writer()
+    try:
+        layers = []
+        for i in range(src.layers):
+            canonical = _quantize_layer(src, i, fmt, group, act_dtype)
+            writer.write(f"layer-{i:04d}", canonical)
+            layers.append(_pack_layer(canonical, device, act_dtype, fmt, group))
+            del canonical
+            progress("quantize", i + 1, src.layers + 1)
+        rest = _quantize_rest(src, fmt, group, act_dtype, embeddings)
+        writer.write("rest", rest)
+        out = dict(_pack_rest(rest, device, act_dtype, fmt, group), layers=layers)
+        progress("quantize", src.layers + 1, src.layers + 1)
+        writer.commit()
+        return out
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _load_cached(cache: QuantCache, cfg, device, act_dtype, fmt, group, progress) -> dict | None:
+    manifest = cache.manifest()
+    if manifest is None:
+        return None
+    n = cfg.num_hidden_layers
+    layers = []
+    for i in range(n):
+        canonical = cache.read(f"layer-{i:04d}", manifest)
+        if canonical is None:
+            return None            # truncated or corrupt: the caller rebuilds the whole cache
+        layers.append(_pack_layer(canonical, device, act_dtype, fmt, group))
+        progress("load", i + 1, n + 1)
+    rest = cache.read("rest", manifest)
+    if rest is None:
+        return None
+    progress("load", n + 1, n + 1)
+    return dict(_pack_rest(rest, device, act_dtype, fmt, group), layers=layers)
+
+
+def _quantize_layer(src: _Source, i: int, fmt: str, group: int, act_dtype) -> dict[str, torch.Tensor]:
+    """One decoder layer in canonical form, as flat `field.part` names for safetensors."""
+    p = f"model.layers.{i}."
+    out: dict[str, torch.Tensor] = {}
+    for field, mats in LINEARS.items():
+        c = qweights.concat([src.quantized(f"{p}{m}.weight", fmt, group, act_dtype) for m in mats])
+        out.update({f"{field}.{k}": v for k, v in c.items()})
+    if all(src.has(f"{p}self_attn.{x}_proj.bias") for x in "qkv"):
+        out["qkv_bias"] = torch.cat([src.rows(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]).float()
+    for field, name in PLAIN.items():
+        if src.has(p + name):
+            out[field] = src.rows(p + name).float()
+    return out
+
+
+def _quantize_rest(src: _Source, fmt: str, group: int, act_dtype, embeddings: bool) -> dict[str, torch.Tensor]:
+    out = {"norm": src.rows("model.norm.weight").float()}
+    tables = {"embed": "model.embed_tokens.weight"}
+    if not src.tied:
+        tables["head"] = "lm_head.weight"
+    for field, name in tables.items():
+        if embeddings:
+            out.update({f"{field}.{k}": v for k, v in src.quantized(name, fmt, group, act_dtype).items()})
+        else:
+            out[field] = src.converted(name, act_dtype)
+    return out
+
+
+def _unflatten(flat: dict[str, torch.Tensor], field: str) -> dict[str, torch.Tensor] | None:
+    c = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(field + ".")}
+    return c or None
+
+
+def _packed(c: dict[str, torch.Tensor], device, act_dtype, fmt: str, group: int):
+    if fmt == "int8":
+        return qweights.Int8Weight(c, device, act_dtype)
+    return qweights.Int4Weight(c, device, act_dtype, group)
+
+
+def _pack_layer(flat: dict[str, torch.Tensor], device, act_dtype, fmt: str, group: int) -> llama_family.LayerWeights:
+    plain = {k: (flat[k].to(device, act_dtype) if k in flat else None) for k in (*PLAIN, "qkv_bias")}
+    linear = {f: _packed(_unflatten(flat, f), device, act_dtype, fmt, group) for f in LINEARS}
+    return llama_family.LayerWeights(**linear, **plain)
+
+
+def _pack_rest(flat: dict[str, torch.Tensor], device, act_dtype, fmt: str, group: int) -> dict:
+    def table(field: str):
+        if field in flat:
+            return flat[field].to(device, act_dtype)
+        c = _unflatten(flat, field)
+        return None if c is None else _packed(c, device, act_dtype, fmt, group)
+    embed = table("embed")
+    head = table("head")
+    if head is None:                       # tied: the embedding table is the head
+        head = embed
+    if type(head) is torch.Tensor:         # the fast forward keeps float weights as [in, out] views
+        head = head.t()
+    return {"embed": embed, "norm": flat["norm"].to(device, act_dtype), "head": head}
