@@ -52,18 +52,24 @@ class _Sums:
 
 def measure(reference, candidate, texts: list[list[int]], chunk: int = 256) -> Fidelity:
     """Teacher-force each token sequence through both targets (anything with forward(ids,
-    all_logits) and a cache) in chunks, and compare their next-token predictions. Each
-    text starts from an empty cache; the caches are left empty."""
-    sums = _Sums()
+    all_logits) and a cache) and compare their next-token predictions."""
+    return compare(reference, {"candidate": candidate}, texts, chunk)["candidate"]
+
+
+def compare(reference, candidates: dict, texts: list[list[int]], chunk: int = 256) -> dict[str, Fidelity]:
+    """measure() for several candidates against one reference pass. Each text starts
+    from empty caches, fed `chunk` tokens a pass; the caches are left empty."""
+    sums = {name: _Sums() for name in candidates}
+    targets = [reference, *candidates.values()]
     for ids in texts:
-        for t in (reference, candidate):
+        for t in targets:
             t.cache.rollback(0)
         for a in range(0, len(ids) - 1, chunk):
             piece = ids[a:a + chunk]
             nxt = torch.tensor(ids[a + 1:a + 1 + len(piece)])
-            ref = reference.forward(piece, all_logits=True)[:nxt.numel()]
-            cand = candidate.forward(piece, all_logits=True)[:nxt.numel()]
-            sums.add(ref.float().cpu(), cand.float().cpu(), nxt)
-    for t in (reference, candidate):
+            ref = reference.forward(piece, all_logits=True)[:nxt.numel()].float().cpu()
+            for name, cand in candidates.items():
+                sums[name].add(ref, cand.forward(piece, all_logits=True)[:nxt.numel()].float().cpu(), nxt)
+    for t in targets:
         t.cache.rollback(0)
-    return sums.result()
+    return {name: s.result() for name, s in sums.items()}
