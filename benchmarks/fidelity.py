@@ -1,5 +1,5 @@
 """Fidelity of the quantized targets on the demo model, against the exact (float32) model,
-teacher-forced on the held texts in tests/data (public-domain prose, simple Python), and on
+teacher-forced on the held texts in engine/data (public-domain prose, simple Python), and on
 the exact model's own greedy answers to a few prompts (the text a chat actually produces).
 Top-1 agreement, mean KL(exact || candidate) and perplexity. Writes JSON.
 
@@ -51,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     eng = engine.open(dtype="float32", drafter="none")
     path, cpu = eng.checkpoint.path, torch.device("cpu")
-    texts = {k: [eng.tokenizer((ROOT / "tests" / "data" / f).read_text())["input_ids"]] for k, f in HELD.items()}
+    texts = {k: [eng.tokenizer((ROOT / "engine" / "data" / f).read_text())["input_ids"]] for k, f in HELD.items()}
     texts["own answers"] = greedy_answers(eng, args.answer_tokens)
     exact = eng.target
     candidates = {"exact-bf16": load_resident(path, cpu, torch.bfloat16)}

@@ -34,6 +34,7 @@ from common import machine, median, write_json  # noqa: E402
 from engine import checkpoint  # noqa: E402
 from engine.target.prefetch import Files, byte_view  # noqa: E402
 from engine.target.streamed import load_streamed, minimum_budget  # noqa: E402
+from engine.session import render_prompt  # noqa: E402
 from localchat.bench import load_workloads  # noqa: E402
 
 PROMPT = "Explain in a few sentences why the sky is blue."
@@ -89,8 +90,9 @@ def airllm(path: Path, prompt_ids: list[int], tokens: int) -> dict | None:
     except ImportError:
         return {"skipped": "airllm is not installed (pip install -e '.[bench]')"}
     out = ROOT / "benchmarks" / "results" / ".airllm-run.json"
+    work = checkpoint.default_cache_dir() / "airllm-split"      # AirLLM's per-layer files, kept between runs
     cmd = [sys.executable, str(script), "--model", str(path), "--prompt-ids", ",".join(map(str, prompt_ids)),
-           "--new-tokens", str(tokens), "--out", str(out)]
+           "--new-tokens", str(tokens), "--out", str(out), "--work-dir", str(work)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0 or not out.exists():
         return {"skipped": f"AirLLM failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"}
@@ -148,10 +150,7 @@ def main() -> None:
                       "identical_to_resident": r["ids"] == res["resident"]["ids"]}
     print(json.dumps(rows, indent=1), flush=True)
 
-    prompt_ids = resident.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                                        add_generation_prompt=True, tokenize=True)
-    if isinstance(prompt_ids, dict):
-        prompt_ids = prompt_ids["input_ids"]
+    prompt_ids = render_prompt(resident.tokenizer, [{"role": "user", "content": PROMPT}])
     air = airllm(path, list(prompt_ids), args.airllm_tokens)
     if air and "tok_per_s" in air:
         air["streamed_warm_vs_airllm"] = rows["warm"]["tps"] / air["tok_per_s"]

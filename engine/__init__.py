@@ -24,11 +24,13 @@ from .sampling import SamplingParams
 from .session import Chat
 from .speculative import DraftController
 from .target.resident import checkpoint_dtype, load_resident
+from .target.quantized import load_quantized
 from .target.streamed import load_streamed
 
 DRAFTERS = ("auto", "ngram", "model", "none")
 # The profiles this engine has targets for; the planner shows the others for what they need.
-RUNNABLE = ("resident-exact", "streamed-exact")
+RUNNABLE = ("resident-exact", "resident-int8", "resident-int4", "streamed-exact")
+DRAFTER_WEIGHTS = ("auto", "exact", "int8", "int4")
 
 __all__ = ["open", "Engine", "Chat", "TextDelta", "Stats", "Done", "SamplingParams", "EngineError",
            "BadRequest", "CheckpointError", "ContextFull", "ModelNotFound", "UnsupportedModel"]
@@ -54,20 +56,34 @@ class Engine:
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
 
     def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
-                    cache_dir: Path | None = None, fast: bool = True) -> None:
+                    cache_dir: Path | None = None, fast: bool = True, weights: str = "auto") -> None:
         """Choose who drafts: auto (model if `draft_model` is given, else ngram) | ngram | model | none.
-        A model drafter is loaded here and checked against the target's tokenizer."""
-        _check_drafter(kind, draft_model)
+        A model drafter is loaded here and checked against the target's tokenizer.
+        draft_model "self": a quantized copy of the target drafts for it (when no small model
+        shares its tokenizer). weights: exact | int8 | int4 | auto (int4 for self, else exact)."""
+        _check_drafter(kind, draft_model, weights)
         if kind == "none":
             self.drafter = NoDrafter()
         elif kind == "ngram" or (kind == "auto" and not draft_model):
             self.drafter = NgramDrafter()
         else:
-            dckpt = _checkpoint.resolve(draft_model, cache_dir)
-            dtok = _load_tokenizer(dckpt.path)
+            self_draft = draft_model == "self"
+            dckpt = self.checkpoint if self_draft else _checkpoint.resolve(draft_model, cache_dir)
+            if weights == "auto":
+                weights = "int4" if self_draft else "exact"
+            if self_draft and weights == "exact":
+                raise BadRequest("--draft-model self with --drafter-weights exact drafts with the target itself "
+                                 "(as slow as plain decoding); use --drafter-weights int4 or int8")
+            dtok = self.tokenizer if self_draft else _load_tokenizer(dckpt.path)
             check_compatible(self.tokenizer, dtok, self.name, dckpt.name)
-            dtarget = load_resident(dckpt.path, self.device, _pick_dtype(dtype, self.device, dckpt.path), fast=fast)
-            self.drafter = ModelDrafter(dtarget, dckpt.name, self.target.vocab_size)
+            if weights == "exact":
+                dtarget = load_resident(dckpt.path, self.device, _pick_dtype(dtype, self.device, dckpt.path),
+                                        fast=fast)
+            else:
+                act = None if dtype in (None, "auto") else _pick_dtype(dtype, self.device, dckpt.path)
+                dtarget = load_quantized(dckpt.path, self.device, weights, act_dtype=act, cache_dir=cache_dir)
+            name = dckpt.name + ("" if weights == "exact" else f" ({weights})")
+            self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size)
 
     def new_controller(self) -> DraftController:
         if self.drafter.kind == "none":
@@ -92,6 +108,7 @@ class Engine:
                 "drafter": self.drafter.kind if self.drafter.kind != "model" else f"model:{self.drafter.name}",
                 "draft_tokens": self.draft_tokens if self.draft_tokens is not None else "adaptive",
                 "profile": self.plan.chosen if self.plan else None,
+                "weights": _weights_label(t),
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
 
 
@@ -99,18 +116,21 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
          cache_dir: str | Path | None = None, fast: bool = True, drafter: str = "auto",
          draft_model: str | None = None, max_draft: int = 8, draft_tokens: int | None = None,
          memory_budget: str | int | None = None, host_memory: str | int | None = None,
-         profile: str | None = None, context: int | None = None, progress=None) -> Engine:
+         profile: str | None = None, context: int | None = None, progress=None,
+         drafter_weights: str = "auto") -> Engine:
     """Load a model: None for the demo model, a local directory, a .gguf file or a hub repo id.
 
     drafter: auto (a model drafter if `draft_model` is given, else n-gram) | ngram | model | none.
+    draft_model: a checkpoint sharing the target's tokenizer, or "self" (a quantized copy of
+    the target); drafter_weights: exact | int8 | int4 | auto (int4 for self, else exact).
     draft_tokens: a fixed number of drafted tokens per round; None adapts it as the chat runs.
     memory_budget: what the engine may use on the device ("8GiB"); default: detected free memory.
     host_memory: what it may hold in host RAM for streamed layers ("32GiB"); default: available RAM.
-    profile: None/"auto" picks the best that fits (resident-exact, else streamed-exact), or a
-    profile's name forces it. context: the longest conversation to plan memory for.
+    profile: None/"auto" picks the best that fits (resident-exact > resident-int8 >
+    resident-int4 > streamed-exact), or a profile's name forces it. context: the longest conversation to plan memory for.
     The memory plan is made before any weight is read (`eng.plan`); a model that fits no
     profile is refused with the figures, instead of exhausting memory."""
-    _check_drafter(drafter, draft_model)      # before loading anything: fail fast
+    _check_drafter(drafter, draft_model, drafter_weights)      # before loading anything: fail fast
     if draft_tokens is not None and not 0 <= draft_tokens <= 64:
         raise BadRequest(f"--draft-tokens {draft_tokens}: must be between 0 and 64")
     if not 0 <= max_draft <= 64:
@@ -121,22 +141,36 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     dt = _pick_dtype(dtype, dev, ckpt.path)
     if context is not None and context < 16:
         raise BadRequest(f"--context {context}: must be at least 16 tokens")
-    plan, host_room = _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context)
+    drafter_shape = None
+    if drafter in ("auto", "model") and draft_model:
+        dweights = drafter_weights if drafter_weights != "auto" else ("int4" if draft_model == "self" else "exact")
+        local = ckpt.path if draft_model == "self" else Path(draft_model).expanduser()
+        if local.is_dir() and (local / "config.json").is_file():
+            # The drafter's weights and KV cache count in the plan (a hub drafter is counted
+            # once downloaded: `localchat doctor --draft-model`).
+            drafter_shape = (planner.ModelShape.from_checkpoint(local, draft_model), dweights)
+    plan, host_room = _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context, drafter_shape)
     tokenizer = _load_tokenizer(ckpt.path)
     if plan.chosen == "streamed-exact":
         row = plan.row("streamed-exact")
         target = load_streamed(ckpt.path, dev, dt, weight_budget=row.budget - (row.total - row.weights),
                                host_budget=host_room, context=row.context,
                                bandwidth=plan.bandwidth, progress=progress)
+    elif plan.chosen in ("resident-int8", "resident-int4"):
+        prof = profiles.find(profiles.builtin(), plan.chosen)
+        target = load_quantized(ckpt.path, dev, prof.weights, group_size=prof.group_size,
+                                act_dtype=None if dtype in (None, "auto") else dt, cache_dir=cache_dir,
+                                progress=progress)
     else:
         target = load_resident(ckpt.path, dev, dt, fast=fast)
     eng = Engine(ckpt, tokenizer, target, max_draft=max_draft, draft_tokens=draft_tokens)
     eng.plan = plan
-    eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast)
+    eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast, weights=drafter_weights)
     return eng
 
 
-def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context) -> tuple["planner.Plan", int]:
+def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context,
+          drafter=None) -> tuple["planner.Plan", int]:
     """Plan before loading, and pick the target: the best runnable profile (by rank:
     resident exact > resident quantized > streamed exact) that fits with `context` tokens
     of KV cache (default 4096, or the model's own limit if smaller). Also returns the host
@@ -157,7 +191,8 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     if forced and forced not in RUNNABLE:
         raise BadRequest(f"--profile {forced}: this version runs {', '.join(RUNNABLE)}; use one of those or auto")
     plan = planner.make_plan(shape, hw, every, context=min(context or 4096, max_pos), force=forced,
-                             runnable=RUNNABLE)
+                             runnable=RUNNABLE, drafter=drafter[0] if drafter else None,
+                             drafter_weights=drafter[1] if drafter else "exact")
     if plan.chosen is None:
         raise BadRequest(f"{ckpt.name} does not fit the {planner.gb(hw.budget_bytes)} budget on {hw.device}: "
                          f"{plan.reason} Raise --vram, lower --context, or pick a smaller model (`localchat setup`)")
@@ -167,9 +202,18 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     return plan, host_room
 
 
-def _check_drafter(kind: str, draft_model: str | None) -> None:
+def _weights_label(target) -> str:
+    quant = getattr(target, "quant", None)
+    if quant is None:
+        return "exact"
+    return quant.weights + (f" g{quant.group_size}" if quant.group_size else "")
+
+
+def _check_drafter(kind: str, draft_model: str | None, weights: str = "auto") -> None:
     if kind not in DRAFTERS:
         raise BadRequest(f"--drafter {kind}: use one of {', '.join(DRAFTERS)}")
+    if weights not in DRAFTER_WEIGHTS:
+        raise BadRequest(f"--drafter-weights {weights}: use one of {', '.join(DRAFTER_WEIGHTS)}")
     if kind == "model" and not draft_model:
         raise BadRequest("--drafter model needs --draft-model PATH_OR_REPO")
 

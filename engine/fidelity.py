@@ -11,8 +11,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from importlib import resources
 
 import torch
+
+
+# The held texts shipped with the engine: public-domain prose and simple Python.
+HELD_TEXTS = ("held_prose.txt", "held_code.py.txt")
+
+
+def held_texts(tokenizer, limit: int | None = None) -> list[list[int]]:
+    """The held texts as token ids (the first `limit` tokens of each)."""
+    folder = resources.files("engine") / "data"
+    return [tokenizer((folder / name).read_text(encoding="utf-8"))["input_ids"][:limit] for name in HELD_TEXTS]
 
 
 @dataclass(frozen=True)
@@ -73,3 +84,53 @@ def compare(reference, candidates: dict, texts: list[list[int]], chunk: int = 25
     for t in targets:
         t.cache.rollback(0)
     return {name: s.result() for name, s in sums.items()}
+
+
+def measure_formats(path, device, formats=("int8", "int4"), limit: int = 512, cache_dir=None,
+                    tokenizer=None) -> dict[str, Fidelity]:
+    """Fidelity of each quantized format of the checkpoint at `path` against its exact
+    weights, on the first `limit` tokens of each held text. The figures are kept under the
+    cache dir, keyed by the source files, so `localchat doctor` shows them without
+    measuring again (a changed checkpoint measures afresh)."""
+    import json
+    from pathlib import Path
+
+    from .checkpoint import default_cache_dir
+    from .target.qcache import source_identity
+    from .target.quantized import load_quantized
+    from .target.resident import checkpoint_dtype, load_resident
+    from . import hardware
+
+    path = Path(path)
+    store = Path(cache_dir or default_cache_dir()) / "fidelity" / f"{source_identity(path)[:32]}-{limit}.json"
+    known = cached_formats(path, limit, cache_dir)
+    todo = [f for f in formats if f not in known]
+    if todo:
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        texts = held_texts(tokenizer, limit)
+        exact = load_resident(path, device, hardware.default_dtype(device, checkpoint_dtype(path)))
+        for fmt in todo:      # one candidate at a time: a large model need not fit three times
+            cand = load_quantized(path, device, fmt, cache_dir=cache_dir)
+            known[fmt] = measure(exact, cand, texts)
+            del cand
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_suffix(".tmp")
+        tmp.write_text(json.dumps({k: v.as_dict() for k, v in known.items()}, indent=1))
+        tmp.replace(store)
+    return {f: known[f] for f in formats}
+
+
+def cached_formats(path, limit: int = 512, cache_dir=None) -> dict[str, Fidelity]:
+    """Figures measure_formats() stored for this checkpoint, if any (never measures)."""
+    import json
+    from pathlib import Path
+
+    from .checkpoint import default_cache_dir
+    from .target.qcache import source_identity
+    store = Path(cache_dir or default_cache_dir()) / "fidelity" / f"{source_identity(Path(path))[:32]}-{limit}.json"
+    try:
+        return {k: Fidelity(**v) for k, v in json.loads(store.read_text()).items()}
+    except (OSError, ValueError, TypeError):
+        return {}

@@ -173,7 +173,8 @@ def activation_bytes(shape: ModelShape, positions: int, context: int) -> int:
 
 def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context: int = 8192,
               drafter: ModelShape | None = None, force: str | None = None,
-              bandwidth: dict | None = None, runnable: tuple[str, ...] | None = None) -> Plan:
+              bandwidth: dict | None = None, runnable: tuple[str, ...] | None = None,
+              drafter_weights: str = "exact") -> Plan:
     """Every term of every profile; the chosen one is the first (by rank) that fits and,
     if `runnable` is given, that the engine has a target for."""
     bw = dict(DEFAULT_BANDWIDTH)
@@ -184,7 +185,8 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
         # On a CPU, --vram is the memory the engine may hold (weights, KV, buffers); the
         # Python runtime lives outside it.
         runtime = 0
-    rows = [_row(shape, hw, p, context, drafter, runtime, kind, bw) for p in profiles]
+    profiles = sorted(profiles, key=lambda p: (p.rank, p.name))    # the choice below takes the first that fits
+    rows = [_row(shape, hw, p, context, drafter, runtime, kind, bw, drafter_weights) for p in profiles]
     if force:
         row = next((r for r in rows if r.profile == force), None)
         if row is None:
@@ -200,7 +202,7 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
         return Plan(shape.name, hw.device, hw.budget_bytes, rows, None,
                     f"Nothing fits in {gb(hw.budget_bytes)}: the smallest need is {smallest.profile} at "
                     f"{gb(smallest.total)} (short by {gb(smallest.short_by)}).", bw)
-    best = fitting[0]          # profiles come sorted by rank: exact > int8 > int4 > streamed
+    best = fitting[0]          # by rank: exact > int8 > int4 > streamed
     better = [r for r in rows[:rows.index(best)]]
     if not better:
         reason = f"{best.profile}: the original weights fit on the device with room for {best.context} tokens of context."
@@ -211,12 +213,12 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
 
 
 def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: ModelShape | None,
-         runtime: int, kind: str, bw: dict) -> PlanRow:
+         runtime: int, kind: str, bw: dict, drafter_weights: str = "exact") -> PlanRow:
     budget = hw.budget_bytes
     kv_tok = shape.kv_bytes_per_token()
     draft_bytes = 0
     if drafter is not None and p.drafter in ("auto", "model"):
-        draft_bytes = drafter.weight_bytes() + drafter.kv_bytes_per_token() * context
+        draft_bytes = drafter.weight_bytes(drafter_weights) + drafter.kv_bytes_per_token() * context
     act = activation_bytes(shape, p.max_draft + 1, context)
     # A fixed margin suits a GPU; a small --vram budget (a CPU "device" in tests, a small
     # card) keeps a tenth of itself free instead of more than it has.

@@ -100,9 +100,11 @@ def _check(source: str, table: str, key: str, value):
 
 
 def builtin() -> list[Profile]:
+    """The shipped profiles, in order of preference (rank)."""
     folder = resources.files("engine.builtin_profiles")
-    return [parse(f.read_text(encoding="utf-8"), f"profiles/{f.name}")
-            for f in sorted(folder.iterdir(), key=lambda f: f.name) if f.name.endswith(".toml")]
+    found = [parse(f.read_text(encoding="utf-8"), f"profiles/{f.name}")
+             for f in folder.iterdir() if f.name.endswith(".toml")]
+    return sorted(found, key=lambda p: (p.rank, p.name))
 
 
 def load_all(user_dir: Path | None = None) -> list[Profile]:

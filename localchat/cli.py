@@ -24,7 +24,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram", metavar="SIZE",
                    help="host RAM the engine may hold for streamed layers, e.g. 32GiB (default: what is available)")
     p.add_argument("--profile", metavar="NAME",
-                   help="how to run the model: auto (default: the best that fits), resident-exact, streamed-exact")
+                   help="how to run the model: auto (default: the best that fits), resident-exact, resident-int8, "
+                        "resident-int4, streamed-exact")
     p.add_argument("--context", type=int, metavar="N",
                    help="tokens of conversation to plan memory for (default: 4096 when streaming)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
@@ -34,7 +35,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                       help="who proposes tokens: ngram (prompt lookup, free), model (--draft-model), none; "
                            "auto = model if --draft-model is given, else ngram")
     spec.add_argument("--draft-model", metavar="PATH_OR_REPO",
-                      help="a small model with the same tokenizer as --model, used as the drafter")
+                      help="a small model with the same tokenizer as --model, used as the drafter; "
+                           "'self' = a quantized copy of the target")
+    spec.add_argument("--drafter-weights", choices=["auto", "exact", "int8", "int4"],
+                      help="the drafter model's weights (default auto: int4 for --draft-model self, else exact)")
     spec.add_argument("--draft-tokens", type=int, metavar="K",
                       help="draft exactly K tokens per round (default: adapt K to measured acceptance and costs)")
 

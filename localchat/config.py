@@ -29,6 +29,7 @@ class Settings:
     drafter: str = "auto"             # auto | ngram | model | none
     draft_model: str | None = None    # the drafter checkpoint for drafter = model (or auto)
     draft_tokens: int | None = None   # a fixed draft length; None = adaptive
+    drafter_weights: str = "auto"     # exact | int8 | int4 | auto (int4 for draft_model = "self")
     theme: str = "textual-dark"
 
 

@@ -17,13 +17,18 @@ from .format import human_bytes
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat doctor", description=__doc__)
     p.add_argument("--model", "-m", metavar="PATH_OR_REPO", help="the model to plan for (default: the configured one)")
-    p.add_argument("--draft-model", metavar="PATH_OR_REPO", help="a drafter model to count in the plan")
+    p.add_argument("--draft-model", metavar="PATH_OR_REPO",
+                   help="a drafter model to count in the plan ('self': a quantized copy of the model)")
+    p.add_argument("--drafter-weights", choices=["auto", "exact", "int8", "int4"],
+                   help="the drafter's weights (default auto: int4 for self, else exact)")
     p.add_argument("--device", metavar="DEV", help="cpu, cuda:0, mps (default: the first accelerator, else cpu)")
     p.add_argument("--vram", metavar="SIZE", help="memory the engine may use on the device, e.g. 8GiB")
     p.add_argument("--ram", metavar="SIZE", help="host memory the engine may use, e.g. 32GiB")
     p.add_argument("--profile", metavar="NAME", help="force a profile (says by how much it does not fit)")
     p.add_argument("--context", type=int, default=8192, metavar="N", help="tokens of context to plan for (8192)")
     p.add_argument("--measure", action="store_true", help="time host RAM and disk reads and plan with them")
+    p.add_argument("--fidelity", action="store_true",
+                   help="measure how close int8 and int4 stay to the exact model on a held text (loads the model)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     return p
 
@@ -87,20 +92,28 @@ def doctor_main(argv: list[str]) -> int:
         profs = profiles.load_all(config_dir() / "profiles")
         ckpt = checkpoint.resolve(settings.model)
         shape = planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name)
-        draft = None
+        draft, dweights = None, args.drafter_weights or settings.drafter_weights
         if settings.draft_model:
-            d = checkpoint.resolve(settings.draft_model)
+            d = ckpt if settings.draft_model == "self" else checkpoint.resolve(settings.draft_model)
             draft = planner.ModelShape.from_checkpoint(d.path, d.name)
+            if dweights == "auto":
+                dweights = "int4" if settings.draft_model == "self" else "exact"
         bw = measure_bandwidth(checkpoint.default_cache_dir()) if args.measure else {}
         plan = planner.make_plan(shape, hw, profs, context=args.context, drafter=draft, force=args.profile,
-                                 bandwidth=bw, runnable=engine.RUNNABLE)
+                                 bandwidth=bw, runnable=engine.RUNNABLE,
+                                 drafter_weights=dweights if draft else "exact")
+        from engine import fidelity
+        if args.fidelity:
+            fid = fidelity.measure_formats(ckpt.path, hardware.pick_device(hw.device))
+        else:
+            fid = fidelity.cached_formats(ckpt.path)
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
     if args.json:
         out = {"hardware": _hw_dict(hw), "model": {"name": ckpt.name, "path": str(ckpt.path),
                                                    "params": shape.params, "dtype_bytes": shape.dtype_bytes},
-               "plan": plan.as_dict()}
+               "plan": plan.as_dict(), "fidelity": {k: v.as_dict() for k, v in fid.items()}}
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print(_hw_text(hw))
@@ -110,7 +123,36 @@ def doctor_main(argv: list[str]) -> int:
         print("Measured: " + " · ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()))
     print()
     print(planner.format_plan(plan))
+    print(_fidelity_text(fid))
+    hint = _self_drafter_hint(plan, shape, settings)
+    if hint:
+        print(hint)
     return EXIT_OK
+
+
+def _fidelity_text(fid: dict) -> str:
+    """The quantized profiles' measured closeness to the exact model, or how to measure it."""
+    if not fid:
+        return ("Fidelity of int8/int4 against the exact weights: not measured for this model yet; "
+                "`localchat doctor --fidelity` measures it (loads the model).")
+    parts = [f"{fmt} top-1 {f.top1_agreement:.1%}, KL {f.mean_kl:.4f}, perplexity {f.ppl_reference:.2f} -> "
+             f"{f.ppl_candidate:.2f}" for fmt, f in fid.items()]
+    tokens = max(f.tokens for f in fid.values())
+    return f"Fidelity against the exact weights (held text, {tokens} tokens): " + "; ".join(parts) + "."
+
+
+def _self_drafter_hint(plan, shape, settings) -> str | None:
+    """With no drafter model configured, say whether an int4 copy of the model itself fits
+    beside the chosen profile as its drafter (when no small model shares its tokenizer)."""
+    if settings.draft_model or not plan.chosen:
+        return None
+    row = plan.row(plan.chosen)
+    need = shape.weight_bytes("int4") + shape.kv_bytes_per_token() * row.context
+    if row.budget - row.total < need:
+        return None
+    from engine import planner
+    return (f"Drafter: an int4 copy of this model ({planner.gb(need)} with its KV cache) fits beside "
+            f"{plan.chosen}: `--drafter model --draft-model self` drafts with it.")
 
 
 def _hw_dict(hw) -> dict:

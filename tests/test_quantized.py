@@ -18,7 +18,7 @@ from engine.target.quantized import load_quantized
 from engine.target.resident import load_resident
 
 CPU = torch.device("cpu")
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "engine" / "data"   # the held texts ship with the engine (doctor --fidelity)
 
 
 def load(path, cache, fmt, **kw):

@@ -1,0 +1,71 @@
+"""engine.open picks the target the plan chose: resident exact, resident int8/int4, streamed;
+a quantized copy of the target can draft for it; doctor shows measured fidelity."""
+import subprocess
+import sys
+
+import pytest
+
+import engine
+from engine.checkpoint import tensor_index
+
+
+def _bytes(path):
+    return sum(e.nbytes for e in tensor_index(path).values())
+
+
+def _budget_for(path, profile, context=64):
+    """The smallest budget (in steps of 2%) under which the planner picks `profile`."""
+    from engine import hardware, planner, profiles
+    shape = planner.ModelShape.from_checkpoint(path)
+    for step in range(10, 200, 2):
+        budget = _bytes(path) * step // 100
+        hw = hardware.detect(vram=budget, device="cpu")
+        if planner.make_plan(shape, hw, profiles.builtin(), context=context, runnable=engine.RUNNABLE).chosen == profile:
+            return budget
+    raise AssertionError(f"no budget picks {profile}")
+
+
+def test_quantized_profile_is_chosen_when_exact_does_not_fit(tiny_llama):
+    total = _bytes(tiny_llama)
+    budget = _budget_for(tiny_llama, "resident-int8")
+    assert budget < total + 200_000
+    eng = engine.open(str(tiny_llama), device="cpu", memory_budget=budget, context=64, drafter="none")
+    assert eng.plan.chosen == "resident-int8"
+    info = eng.describe()
+    assert info["profile"] == "resident-int8" and info["weights"] == "int8"
+    assert eng.target.weight_bytes() < total
+    done = list(eng.chat().send("hello", max_new_tokens=6))[-1]
+    assert done.reason in ("stop", "length")
+
+
+def test_forced_int4_profile_loads_int4(tiny_llama):
+    eng = engine.open(str(tiny_llama), device="cpu", profile="resident-int4", drafter="none")
+    assert eng.describe()["weights"] == "int4 g32"
+
+
+def test_self_drafter_is_a_quantized_copy_and_never_changes_the_answer(tiny_llama):
+    prompt = "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)\nAgain: def fib(n):"
+    plain = engine.open(str(tiny_llama), device="cpu", dtype="float32", drafter="none")
+    spec = engine.open(str(tiny_llama), device="cpu", dtype="float32", drafter="model", draft_model="self")
+    assert spec.drafter.kind == "model" and "(int4)" in spec.drafter.name
+    a = list(plain.chat().send(prompt, max_new_tokens=24))
+    b = list(spec.chat().send(prompt, max_new_tokens=24))
+    assert a[-1].token_ids == b[-1].token_ids
+    assert b[-2].drafted_tokens > 0
+    with pytest.raises(engine.BadRequest, match="--drafter-weights"):
+        engine.open(str(tiny_llama), device="cpu", drafter="model", draft_model="self", drafter_weights="exact")
+    with pytest.raises(engine.BadRequest, match="--drafter-weights int3"):
+        engine.open(str(tiny_llama), device="cpu", drafter_weights="int3")
+
+
+def test_doctor_measures_fidelity_once_and_shows_it(tiny_llama):
+    cmd = [sys.executable, "-m", "localchat.cli", "doctor", "--model", str(tiny_llama)]
+    before = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert before.returncode == 0, before.stderr
+    assert "--fidelity" in before.stdout
+    measured = subprocess.run(cmd + ["--fidelity"], capture_output=True, text=True, timeout=300)
+    assert measured.returncode == 0, measured.stderr
+    line = next(ln for ln in measured.stdout.splitlines() if ln.startswith("Fidelity against"))
+    assert "int8 top-1" in line and "int4 top-1" in line
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)   # kept, not measured again
+    assert line in again.stdout
