@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-import time
 
 import pytest
 
@@ -18,8 +17,7 @@ from localchat.config import Settings  # noqa: E402
 from localchat.tui.app import ChatApp  # noqa: E402
 from localchat.tui.widgets import AssistantMessage, Notice, UserMessage  # noqa: E402
 
-SIZE = (100, 30)
-DEADLINE = 120.0    # seconds; generous for a loaded 2-core machine, reached only on failure
+from tui_helpers import DEADLINE, SIZE, loader, record_notifications, type_and_send, wait_for  # noqa: E402
 
 
 @pytest.fixture
@@ -27,40 +25,9 @@ def tiny_engine(tiny_llama):
     return engine.open(str(tiny_llama))
 
 
-def loader(eng):
-    """A load_engine for ChatApp that hands over an engine opened by the test."""
-    return lambda settings, progress: eng
-
-
-async def wait_for(pilot, condition, timeout: float = DEADLINE, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.02)
-
-
-def record_notifications(app) -> list[str]:
-    """The messages of the app's notifications from now on (app.notify still runs)."""
-    seen: list[str] = []
-    notify = app.notify
-
-    def spy(message, *args, **kwargs):
-        seen.append(str(message))
-        return notify(message, *args, **kwargs)
-    app.notify = spy
-    return seen
-
-
 def first_answer(app) -> AssistantMessage | None:
     replies = app.query(AssistantMessage)
     return replies.first() if replies else None
-
-
-async def type_and_send(pilot, text: str) -> None:
-    await pilot.click("#prompt")
-    await pilot.press(*text)
-    await pilot.press("enter")
 
 
 def test_prompt_gets_an_answer_and_live_stats(tiny_engine):

@@ -78,8 +78,9 @@ class ChatApp(CommandHandlers, App):
     BINDINGS = [
         Binding("escape", "stop", "Stop answer"),
         Binding("ctrl+r", "retry", "Retry"),
-        Binding("ctrl+e", "edit", "Edit last prompt"),
-        Binding("ctrl+y", "copy_answer", "Copy answer"),
+        # Priority: the message box would take these keys as "end of line" and "redo".
+        Binding("ctrl+e", "edit", "Edit last prompt", priority=True),
+        Binding("ctrl+y", "copy_answer", "Copy answer", priority=True),
         Binding("ctrl+b", "toggle_sidebar", "Conversations"),
         Binding("ctrl+g", "toggle_gauges", "Gauges"),
         Binding("ctrl+n", "new", "New chat"),
@@ -162,6 +163,13 @@ class ChatApp(CommandHandlers, App):
         # the partial answer as it ends).
         if self.chat is not None:
             self.chat.cancel()
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        # The priority keys belong to the chat screen; over a dialog they do what the
+        # dialog's widgets do with them.
+        if action in ("edit", "copy_answer") and self.screen is not self.screen_stack[0]:
+            return False
+        return True
 
     def wait_for_generation(self, timeout: float) -> bool:
         """Block until no answer is being generated (its partial text is saved by then)."""

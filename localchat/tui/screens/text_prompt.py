@@ -33,6 +33,9 @@ class TextPromptScreen(ModalScreen[str | None]):
             yield Static(self.question, markup=False)
             yield Input(self.value, id="answer")
 
+    def on_mount(self) -> None:
+        self.query_one("#answer", Input).focus()
+
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         self.dismiss(event.value)

@@ -105,9 +105,9 @@ class Sidebar(Vertical):
             return
         await listing.clear()
         await listing.extend(ConversationItem(i, i.id == self.current) for i in infos)
-        for index, item in enumerate(self.items):
-            if item.info.id == self.current:
-                listing.index = index
+        # Highlight the open conversation, else the first: Enter always has a target.
+        ids = [i.id for i in infos]
+        listing.index = ids.index(self.current) if self.current in ids else (0 if ids else None)
 
     async def on_input_changed(self, event: Input.Changed) -> None:
         event.stop()

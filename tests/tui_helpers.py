@@ -1,0 +1,54 @@
+"""What the Pilot tests of the chat UI share: waiting by polling (never a fixed sleep),
+typing, and a loader that hands the app an engine the test opened."""
+from __future__ import annotations
+
+import time
+
+SIZE = (100, 30)
+DEADLINE = 120.0    # seconds; generous for a loaded 2-core machine, reached only on failure
+
+
+def loader(eng):
+    """A load_engine for ChatApp that hands over an engine opened by the test."""
+    return lambda settings, progress: eng
+
+
+async def wait_for(pilot, condition, timeout: float = DEADLINE, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+def record_notifications(app) -> list[str]:
+    """The messages of the app's notifications from now on (app.notify still runs)."""
+    seen: list[str] = []
+    notify = app.notify
+
+    def spy(message, *args, **kwargs):
+        seen.append(str(message))
+        return notify(message, *args, **kwargs)
+    app.notify = spy
+    return seen
+
+
+async def type_and_send(pilot, text: str) -> None:
+    await pilot.click("#prompt")
+    await pilot.press(*text)
+    await pilot.press("enter")
+
+
+async def loaded(pilot, app) -> None:
+    await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
+
+
+async def answered(pilot, app) -> None:
+    """Until the answer in progress has ended and been drawn."""
+    await wait_for(pilot, lambda: app.chat.last_done is not None and not app.generating, what="the answer")
+
+
+async def send_and_wait(pilot, app, text: str) -> None:
+    before = len(app.chat.messages)
+    await type_and_send(pilot, text)
+    await wait_for(pilot, lambda: len(app.chat.messages) > before and not app.generating, what="the answer")
