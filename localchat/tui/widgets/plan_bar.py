@@ -73,5 +73,5 @@ class PlanBar(Widget):
                     legend.append(" · ", style="dim")
                 legend.append("■ ", style=style)
                 legend.append(f"{label} {human_bytes(size)}")
-        legend.append(f" of {human_bytes(self.row.budget)}", style="dim")
+        legend.append(f" of {human_bytes(self.row.budget)} budget", style="dim")
         return Text("\n").join([bar, legend])

@@ -50,6 +50,10 @@ class Sidebar(Vertical):
     Sidebar > ListView {
         height: 1fr;
     }
+    Sidebar ConversationItem {
+        padding: 0 1;
+        margin-bottom: 1;
+    }
     Sidebar > .title, Sidebar > .hint {
         height: auto;
         padding: 0 1;

@@ -1,6 +1,6 @@
 """One line at the bottom: what is loaded, how fast it runs, how full the context is, memory.
 
-    SmolLM2-135M │ prefill 377 tok/s │ decode 71.7 tok/s │ 1.62 tok/pass · accept 41% · k 3 │ ctx 70/8192 │ mem …
+    SmolLM2-135M │ prefill 377 · decode 71.7 tok/s │ 1.62 tok/pass · accept 41% · k 3 │ ctx 70/8192 │ mem …
 
 Fed from the engine's `Stats` events while an answer streams (the engine sends one at
 most every 0.25 s), so the figures move live."""
@@ -45,10 +45,7 @@ class StatusBar(Widget):
         if not self.model:
             return line
         s = self.stats or Stats(context_max=self.context_max)
-        fields = [
-            f"prefill {rate(s.prefill_tps)} tok/s",
-            f"decode {rate(s.decode_tps)} tok/s",
-        ]
+        fields = [f"prefill {rate(s.prefill_tps)} · decode {rate(s.decode_tps)} tok/s"]
         if s.drafted_tokens:
             # Speculative decoding at work: tokens each target pass adds, how many drafts
             # the target kept, and the draft length chosen for the last round.
