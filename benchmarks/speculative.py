@@ -5,6 +5,7 @@ acceptance and the lower bound on drafter cost), greedy, median of --runs, same 
 Reports tokens per pass and acceptance next to the formula's prediction. Writes JSON.
 
     python benchmarks/speculative.py [--runs 3] [--tokens 128] [--dtype float32] [--no-model-drafter]
+                                     [--drafter-weights exact|int8|int4]   (int4: a quantized copy drafts)
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--workloads", default=str(ROOT.parent / "shared" / "bench" / "workloads.jsonl"))
     ap.add_argument("--no-model-drafter", action="store_true")
+    ap.add_argument("--drafter-weights", default="exact", choices=["exact", "int8", "int4"],
+                    help="the model drafter: the demo model itself (exact) or its quantized copy")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "speculative.json"))
     args = ap.parse_args()
 
@@ -40,7 +43,9 @@ def main() -> None:
         plain = measure(eng, w["prompt"], args.tokens, args.runs)
         row = {"id": w["id"], "kind": w["kind"], "plain_tps": plain["decode_tps"]}
         for d in drafters:
-            if d == "model":
+            if d == "model" and args.drafter_weights != "exact":
+                eng.set_drafter("model", "self", dtype=args.dtype, weights=args.drafter_weights)
+            elif d == "model":
                 eng.set_drafter("model", str(eng.checkpoint.path), dtype=args.dtype)
             else:
                 eng.set_drafter(d)
@@ -52,6 +57,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
     out = {"benchmark": "speculative", "model": eng.name, "dtype": args.dtype, "tokens": args.tokens,
+           "drafter_weights": args.drafter_weights,
            "runs": args.runs, "machine": machine(), "rows": rows}
     print("wrote", write_json(args.out, out))
 

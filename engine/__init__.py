@@ -30,6 +30,12 @@ from .target.streamed import load_streamed
 DRAFTERS = ("auto", "ngram", "model", "none")
 # The profiles this engine has targets for; the planner shows the others for what they need.
 RUNNABLE = ("resident-exact", "resident-int8", "resident-int4", "streamed-exact")
+RUNNABLE_KINDS = {("resident", "exact"), ("resident", "int8"), ("resident", "int4"), ("streamed", "exact")}
+
+
+def runnable(profile_list) -> tuple[str, ...]:
+    """Names of the profiles (built-in or a user's) this engine has a target for."""
+    return tuple(p.name for p in profile_list if (p.placement, p.weights) in RUNNABLE_KINDS)
 DRAFTER_WEIGHTS = ("auto", "exact", "int8", "int4")
 
 __all__ = ["open", "Engine", "Chat", "TextDelta", "Stats", "Done", "SamplingParams", "EngineError",
@@ -80,8 +86,9 @@ class Engine:
                 dtarget = load_resident(dckpt.path, self.device, _pick_dtype(dtype, self.device, dckpt.path),
                                         fast=fast)
             else:
-                act = None if dtype in (None, "auto") else _pick_dtype(dtype, self.device, dckpt.path)
-                dtarget = load_quantized(dckpt.path, self.device, weights, act_dtype=act, cache_dir=cache_dir)
+                # The drafter's activations need not match the target's: the target checks every
+                # token. bf16 where the device has it is what the int8/int4 kernels are fast at.
+                dtarget = load_quantized(dckpt.path, self.device, weights, cache_dir=cache_dir)
             name = dckpt.name + ("" if weights == "exact" else f" ({weights})")
             self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size)
 
@@ -114,10 +121,10 @@ class Engine:
 
 def open(model: str | None = None, *, device: str = "auto", dtype: str | None = None,
          cache_dir: str | Path | None = None, fast: bool = True, drafter: str = "auto",
-         draft_model: str | None = None, max_draft: int = 8, draft_tokens: int | None = None,
+         draft_model: str | None = None, max_draft: int | None = None, draft_tokens: int | None = None,
          memory_budget: str | int | None = None, host_memory: str | int | None = None,
          profile: str | None = None, context: int | None = None, progress=None,
-         drafter_weights: str = "auto") -> Engine:
+         drafter_weights: str = "auto", profile_dir: str | Path | None = None) -> Engine:
     """Load a model: None for the demo model, a local directory, a .gguf file or a hub repo id.
 
     drafter: auto (a model drafter if `draft_model` is given, else n-gram) | ngram | model | none.
@@ -133,7 +140,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     _check_drafter(drafter, draft_model, drafter_weights)      # before loading anything: fail fast
     if draft_tokens is not None and not 0 <= draft_tokens <= 64:
         raise BadRequest(f"--draft-tokens {draft_tokens}: must be between 0 and 64")
-    if not 0 <= max_draft <= 64:
+    if max_draft is not None and not 0 <= max_draft <= 64:
         raise BadRequest(f"max_draft {max_draft}: must be between 0 and 64")
     cache_dir = Path(cache_dir) if cache_dir else None
     ckpt = _checkpoint.resolve(model, cache_dir)
@@ -149,28 +156,32 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
             # The drafter's weights and KV cache count in the plan (a hub drafter is counted
             # once downloaded: `localchat doctor --draft-model`).
             drafter_shape = (planner.ModelShape.from_checkpoint(local, draft_model), dweights)
-    plan, host_room = _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context, drafter_shape)
+    plan_profiles = profiles.load_all(Path(profile_dir) if profile_dir else None)
+    plan, host_room = _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context, drafter_shape,
+                            plan_profiles)
     tokenizer = _load_tokenizer(ckpt.path)
-    if plan.chosen == "streamed-exact":
-        row = plan.row("streamed-exact")
+    prof = profiles.find(plan_profiles, plan.chosen)
+    if prof.placement == "streamed":
+        row = plan.row(plan.chosen)
         target = load_streamed(ckpt.path, dev, dt, weight_budget=row.budget - (row.total - row.weights),
                                host_budget=host_room, context=row.context,
                                bandwidth=plan.bandwidth, progress=progress)
-    elif plan.chosen in ("resident-int8", "resident-int4"):
-        prof = profiles.find(profiles.builtin(), plan.chosen)
-        target = load_quantized(ckpt.path, dev, prof.weights, group_size=prof.group_size,
+    elif prof.weights in ("int8", "int4"):
+        target = load_quantized(ckpt.path, dev, prof.weights, group_size=prof.group_size, embeddings=prof.embeddings,
                                 act_dtype=None if dtype in (None, "auto") else dt, cache_dir=cache_dir,
                                 progress=progress)
     else:
         target = load_resident(ckpt.path, dev, dt, fast=fast)
-    eng = Engine(ckpt, tokenizer, target, max_draft=max_draft, draft_tokens=draft_tokens)
+    # The profile says how deep drafting may go (a streamed pass pays for depth: 16).
+    eng = Engine(ckpt, tokenizer, target, max_draft=max_draft if max_draft is not None else prof.max_draft,
+                 draft_tokens=draft_tokens)
     eng.plan = plan
     eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast, weights=drafter_weights)
     return eng
 
 
 def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context,
-          drafter=None) -> tuple["planner.Plan", int]:
+          drafter=None, every=None) -> tuple["planner.Plan", int]:
     """Plan before loading, and pick the target: the best runnable profile (by rank:
     resident exact > resident quantized > streamed exact) that fits with `context` tokens
     of KV cache (default 4096, or the model's own limit if smaller). Also returns the host
@@ -183,15 +194,16 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     shape = _replace(planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name),
                      dtype_bytes=torch.finfo(dt).bits // 8)
     hw = hardware.detect(cache_dir, vram=memory_budget, ram=host_memory, device=str(dev))
-    every = profiles.builtin()
+    every = every or profiles.builtin()
     names = [p.name for p in every]
     forced = profile if profile not in (None, "auto") else None
     if forced and forced not in names:
         raise BadRequest(f"--profile {forced}: no such profile (have: auto, {', '.join(names)})")
-    if forced and forced not in RUNNABLE:
-        raise BadRequest(f"--profile {forced}: this version runs {', '.join(RUNNABLE)}; use one of those or auto")
+    can = runnable(every)
+    if forced and forced not in can:
+        raise BadRequest(f"--profile {forced}: this version runs {', '.join(can)}; use one of those or auto")
     plan = planner.make_plan(shape, hw, every, context=min(context or 4096, max_pos), force=forced,
-                             runnable=RUNNABLE, drafter=drafter[0] if drafter else None,
+                             runnable=can, drafter=drafter[0] if drafter else None,
                              drafter_weights=drafter[1] if drafter else "exact")
     if plan.chosen is None:
         raise BadRequest(f"{ckpt.name} does not fit the {planner.gb(hw.budget_bytes)} budget on {hw.device}: "

@@ -8,6 +8,7 @@ the wheel; users add their own in the config dir's `profiles/`).
     placement = "streamed"   # resident | streamed
     weights = "exact"        # exact | int8 | int4
     group_size = 32          # int4 only
+    embeddings = false       # int8/int4: quantize the embeddings and output head too
     [drafter]
     kind = "auto"            # auto | ngram | model | none
     max_draft = 16
@@ -39,6 +40,7 @@ class Profile:
     max_draft: int = 8
     margin_mib: int = 512
     group_size: int = 32
+    embeddings: bool = False
     rank: int = 100
     source: str = ""
 
@@ -47,7 +49,7 @@ class Profile:
 _SCHEMA = {
     "": {"name": (str, None, True), "summary": (str, None, False), "rank": (int, None, False)},
     "target": {"placement": (str, PLACEMENTS, True), "weights": (str, WEIGHTS, True),
-               "group_size": (int, (32, 64, 128, 256), False)},
+               "group_size": (int, (32, 64, 128, 256), False), "embeddings": (bool, None, False)},
     "drafter": {"kind": (str, DRAFTER_KINDS, False), "max_draft": (int, None, False)},
     "memory": {"margin_mib": (int, None, False)},
 }
@@ -81,7 +83,8 @@ def parse(text: str, source: str) -> Profile:
         raise BadRequest(f"{source}: [memory] margin_mib = {margin}: must be 0 or more")
     return Profile(name=get("", "name", ""), summary=get("", "summary", ""), rank=get("", "rank", 100),
                    placement=get("target", "placement", ""), weights=get("target", "weights", ""),
-                   group_size=get("target", "group_size", 32), drafter=get("drafter", "kind", "auto"),
+                   group_size=get("target", "group_size", 32), embeddings=get("target", "embeddings", False),
+                   drafter=get("drafter", "kind", "auto"),
                    max_draft=max_draft, margin_mib=margin, source=source)
 
 
@@ -91,8 +94,9 @@ def _check(source: str, table: str, key: str, value):
         allowed = ", ".join(_SCHEMA[table])
         raise BadRequest(f"{source}: unknown key {where} (allowed: {allowed})")
     kind, allowed, _ = _SCHEMA[table][key]
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise BadRequest(f"{source}: {where} = {value!r} must be {'a number' if kind is int else 'text'}")
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        what = {int: "a number", bool: "true or false"}.get(kind, "text")
+        raise BadRequest(f"{source}: {where} = {value!r} must be {what}")
     if allowed is not None and value not in allowed:
         raise BadRequest(f"{source}: {where} = {value!r} is not allowed (use one of: "
                          f"{', '.join(map(str, allowed))})")

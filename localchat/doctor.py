@@ -100,7 +100,7 @@ def doctor_main(argv: list[str]) -> int:
                 dweights = "int4" if settings.draft_model == "self" else "exact"
         bw = measure_bandwidth(checkpoint.default_cache_dir()) if args.measure else {}
         plan = planner.make_plan(shape, hw, profs, context=args.context, drafter=draft, force=args.profile,
-                                 bandwidth=bw, runnable=engine.RUNNABLE,
+                                 bandwidth=bw, runnable=engine.runnable(profs),
                                  drafter_weights=dweights if draft else "exact")
         from engine import fidelity
         if args.fidelity:

@@ -7,27 +7,16 @@ import pytest
 
 import engine
 from engine.checkpoint import tensor_index
+from tiny import budget_for
 
 
 def _bytes(path):
     return sum(e.nbytes for e in tensor_index(path).values())
 
 
-def _budget_for(path, profile, context=64):
-    """The smallest budget (in steps of 2%) under which the planner picks `profile`."""
-    from engine import hardware, planner, profiles
-    shape = planner.ModelShape.from_checkpoint(path)
-    for step in range(10, 200, 2):
-        budget = _bytes(path) * step // 100
-        hw = hardware.detect(vram=budget, device="cpu")
-        if planner.make_plan(shape, hw, profiles.builtin(), context=context, runnable=engine.RUNNABLE).chosen == profile:
-            return budget
-    raise AssertionError(f"no budget picks {profile}")
-
-
 def test_quantized_profile_is_chosen_when_exact_does_not_fit(tiny_llama):
     total = _bytes(tiny_llama)
-    budget = _budget_for(tiny_llama, "resident-int8")
+    budget = budget_for(tiny_llama, "resident-int8")
     assert budget < total + 200_000
     eng = engine.open(str(tiny_llama), device="cpu", memory_budget=budget, context=64, drafter="none")
     assert eng.plan.chosen == "resident-int8"
@@ -69,3 +58,19 @@ def test_doctor_measures_fidelity_once_and_shows_it(tiny_llama):
     assert "int8 top-1" in line and "int4 top-1" in line
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)   # kept, not measured again
     assert line in again.stdout
+
+
+def test_a_user_profile_can_quantize_the_embeddings_too(tiny_llama, tmp_path):
+    (tmp_path / "int4-all.toml").write_text(
+        'name = "int4-all"\nrank = 0\n[target]\nplacement = "resident"\nweights = "int4"\nembeddings = true\n')
+    eng = engine.open(str(tiny_llama), device="cpu", profile="int4-all", profile_dir=tmp_path, drafter="none")
+    assert eng.target.quant.embeddings and eng.plan.chosen == "int4-all"
+    (tmp_path / "bad.toml").write_text('name = "bad"\n[target]\nplacement = "resident"\nweights = "int4"\n'
+                                       'embeddings = "yes"\n')
+    with pytest.raises(engine.BadRequest, match="bad.toml.*embeddings.*true or false"):
+        engine.open(str(tiny_llama), device="cpu", profile_dir=tmp_path)
+    (tmp_path / "bad.toml").unlink()
+    (tmp_path / "streamed-int4.toml").write_text(
+        'name = "streamed-int4"\n[target]\nplacement = "streamed"\nweights = "int4"\n')
+    with pytest.raises(engine.BadRequest, match="--profile streamed-int4: this version runs"):
+        engine.open(str(tiny_llama), device="cpu", profile="streamed-int4", profile_dir=tmp_path)

@@ -11,7 +11,7 @@ from engine import planner
 from engine.errors import BadRequest, CheckpointError
 from engine.target.resident import load_resident
 from engine.target.streamed import load_streamed, minimum_budget
-from tiny import build_model
+from tiny import budget_for, build_model
 
 CPU = torch.device("cpu")
 
@@ -26,6 +26,13 @@ def tiny_tied(tmp_path_factory, tokenizer):
     """Six layers, tied embeddings, two shards: the head is streamed from the embedding's bytes."""
     return build_model(tmp_path_factory.mktemp("tiny-tied"), "llama", layers=6, tie=True, shard="150KB",
                        tokenizer=tokenizer, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_deep(tmp_path_factory, tokenizer):
+    """24 layers: deep enough that streaming two layers at a time needs less memory than
+    even int4 weights, so the planner picks streaming on a small budget."""
+    return build_model(tmp_path_factory.mktemp("tiny-deep"), "llama", layers=24, tie=True, tokenizer=tokenizer, seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -157,14 +164,14 @@ def test_file_fault_mid_run_keeps_conversation_and_retries(tiny_tied, tmp_path, 
     assert again.reason in ("length", "stop"), again.error
 
 
-def test_open_picks_streamed_when_resident_does_not_fit(tiny_tied):
-    total = _model_bytes(tiny_tied)
-    eng = engine.open(str(tiny_tied), device="cpu", dtype="float32", memory_budget=total + 150_000,
-                      context=256, drafter="ngram")
+def test_open_picks_streamed_when_nothing_resident_fits(tiny_deep):
+    model = tiny_deep
+    eng = engine.open(str(model), device="cpu", dtype="float32", context=256, drafter="ngram",
+                      memory_budget=budget_for(model, "streamed-exact", context=256))
     assert eng.plan.chosen == "streamed-exact"
     info = eng.describe()
     assert info["profile"] == "streamed-exact" and info["streaming"]["disk_units"] > 0
-    ref = engine.open(str(tiny_tied), device="cpu", dtype="float32", drafter="none")
+    ref = engine.open(str(model), device="cpu", dtype="float32", drafter="none")
     assert ref.plan.chosen == "resident-exact"
     prompt = "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)\nRepeat it: def fib(n):"
     a = list(eng.chat().send(prompt, max_new_tokens=30))

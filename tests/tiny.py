@@ -67,3 +67,20 @@ def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2,
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                      pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
     return Path(path)
+
+
+def budget_for(path: Path, profile: str, context: int = 64) -> int:
+    """The smallest budget (in steps of 2% of the checkpoint) under which the planner picks
+    `profile` for this model on the CPU, as engine.open would."""
+    import engine
+    from engine import hardware, planner, profiles
+    from engine.checkpoint import tensor_index
+    total = sum(e.nbytes for e in tensor_index(Path(path)).values())
+    shape = planner.ModelShape.from_checkpoint(Path(path))
+    every = profiles.builtin()
+    for step in range(10, 200, 2):
+        hw = hardware.detect(vram=total * step // 100, device="cpu")
+        plan = planner.make_plan(shape, hw, every, context=context, runnable=engine.runnable(every))
+        if plan.chosen == profile:
+            return total * step // 100
+    raise AssertionError(f"no budget picks {profile} for {path}")
