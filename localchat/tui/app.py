@@ -16,6 +16,12 @@ it runs in thread workers:
 `Chat.cancel()` is the one engine call made from the UI thread while a worker runs
 (Esc, Ctrl+L, quitting): it is a thread-safe flag the decode loop checks between steps.
 
+No torch work on the UI thread, ever (not even opening the engine): once the main
+thread has run a parallel (OpenMP) op, its thread team lives as long as the process,
+and libgomp then throttles the spin-wait of every other thread's team on a machine with
+few cores — the small matmuls of a decode step in the generation thread run ~3x slower
+(measured on the 2-core development machine; see benchmarks/tui_latency.py).
+
 What is saved when (see `store.py` and `localchat/history.py`): a prompt is committed
 before its answer starts; an answer when it ends, is stopped or fails.
 
