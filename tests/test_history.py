@@ -3,6 +3,7 @@ committed when, migrations from every earlier schema, a locked or corrupt databa
 one-shot logging, and a real process SIGKILLed in the middle of an answer."""
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sqlite3
@@ -156,37 +157,49 @@ def test_markdown_export_and_history_command(db, tmp_path, capsys):
     assert err.count("\n") == 1 and "999" in err
 
 
-def run_localchat(args, data_dir, **kwargs):
-    env = dict(os.environ, LOCALCHAT_DATA_DIR=str(data_dir))
-    return subprocess.run([sys.executable, "-m", "localchat", *args], capture_output=True, text=True,
-                          env=env, timeout=300, **kwargs)
+class TerminalStdin(io.StringIO):
+    def isatty(self):
+        return True
 
 
-def test_oneshot_prompts_are_logged_unless_no_log(tiny_llama, tmp_path):
+def oneshot(args, data_dir, monkeypatch, capsys) -> tuple[int, str, str]:
+    """The CLI in this process (a subprocess costs seconds of imports): exit code, stdout, stderr."""
+    from localchat import cli
+    monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(data_dir))
+    monkeypatch.setattr(sys, "stdin", TerminalStdin())
+    capsys.readouterr()
+    code = cli.main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_oneshot_prompts_are_logged_unless_no_log(tiny_llama, tmp_path, monkeypatch, capsys):
     """A one-shot prompt and its answer are saved as a conversation from 'oneshot';
     with --no-log nothing is saved; --data-dir moves the database."""
-    r = run_localchat(["--model", str(tiny_llama), "-n", "6", "hello there"], tmp_path / "env")
-    assert r.returncode == 0, r.stderr
+    code, out, err = oneshot(["--model", str(tiny_llama), "-n", "6", "hello there"], tmp_path / "env",
+                             monkeypatch, capsys)
+    assert code == 0, err
     db = hist.History.open(tmp_path / "env" / "history.db")
     [info] = db.conversations()
     conv = db.get(info.id)
     assert info.source == "oneshot" and conv.title == "hello there"
     assert [m.role for m in conv.messages] == ["user", "assistant"]
-    assert conv.messages[1].content == r.stdout.rstrip("\n") and conv.messages[1].finish_reason in ("stop", "length")
-    r = run_localchat(["--model", str(tiny_llama), "-n", "6", "--no-log", "again"], tmp_path / "env")
-    assert r.returncode == 0 and len(db.conversations()) == 1
-    r = run_localchat(["--model", str(tiny_llama), "-n", "6", "--data-dir", str(tmp_path / "flag"), "x"],
-                      tmp_path / "env")
-    assert r.returncode == 0 and (tmp_path / "flag" / "history.db").is_file()
+    assert conv.messages[1].content == out.rstrip("\n") and conv.messages[1].finish_reason in ("stop", "length")
+    code, _, _ = oneshot(["--model", str(tiny_llama), "-n", "6", "--no-log", "again"], tmp_path / "env",
+                         monkeypatch, capsys)
+    assert code == 0 and len(db.conversations()) == 1
+    code, _, _ = oneshot(["--model", str(tiny_llama), "-n", "6", "--data-dir", str(tmp_path / "flag"), "x"],
+                         tmp_path / "env", monkeypatch, capsys)
+    assert code == 0 and (tmp_path / "flag" / "history.db").is_file()
     db.close()
 
 
-def test_oneshot_with_a_corrupt_database_still_answers(tiny_llama, tmp_path):
+def test_oneshot_with_a_corrupt_database_still_answers(tiny_llama, tmp_path, monkeypatch, capsys):
     """A corrupt history database is one warning on stderr; the answer still comes."""
     (tmp_path / "history.db").write_bytes(b"garbage" * 100)
-    r = run_localchat(["--model", str(tiny_llama), "-n", "4", "hi"], tmp_path)
-    assert r.returncode == 0 and r.stdout.strip()
-    assert "corrupt" in r.stderr and "Traceback" not in r.stderr
+    code, out, err = oneshot(["--model", str(tiny_llama), "-n", "4", "hi"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and out.strip()
+    assert "corrupt" in err and err.count("\n") == 1
 
 
 # The real CLI in a child process, with the tiny model's end-of-turn tokens removed so
@@ -199,12 +212,11 @@ KILLABLE = textwrap.dedent("""
 """)
 
 
-def test_sigkill_mid_answer_keeps_the_prompt_and_earlier_turns(tiny_llama, tmp_path):
+def test_sigkill_mid_answer_keeps_the_prompt_and_earlier_turns(tiny_llama, tmp_path, monkeypatch, capsys):
     """A one-shot process SIGKILLed while its answer streams: the database opens cleanly
     afterwards, the prompt was committed before generation started, the answer in flight
     is lost (it is committed only when it ends), and an earlier finished run is intact."""
-    ok = run_localchat(["--model", str(tiny_llama), "-n", "4", "first prompt"], tmp_path)
-    assert ok.returncode == 0
+    assert oneshot(["--model", str(tiny_llama), "-n", "4", "first prompt"], tmp_path, monkeypatch, capsys)[0] == 0
     env = dict(os.environ, LOCALCHAT_DATA_DIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", KILLABLE, "--model", str(tiny_llama), "-n", "4000",
                              "second prompt"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -222,3 +234,14 @@ def test_sigkill_mid_answer_keeps_the_prompt_and_earlier_turns(tiny_llama, tmp_p
         ("user", None), ("assistant", convs["first prompt"].messages[1].finish_reason)]
     assert [(m.role, m.content) for m in convs["second prompt"].messages] == [("user", "second prompt")]
     db.close()
+
+
+def test_resume_flags_are_checked(capsys):
+    """--continue with --cid, or either with a one-shot prompt, is one line and exit 2
+    (nothing is loaded)."""
+    from localchat import cli
+    assert cli.main(["--continue", "--cid", "3"]) == 2
+    assert "give one" in capsys.readouterr().err
+    assert cli.main(["--cid", "3", "a prompt"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "chat UI" in err

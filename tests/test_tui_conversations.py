@@ -4,7 +4,6 @@ them, resuming (--continue, --cid), the sidebar, and a history that cannot be us
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -19,7 +18,7 @@ from localchat.tui.store import ChatStore  # noqa: E402
 from localchat.tui.widgets import AssistantMessage, Notice, UserMessage  # noqa: E402
 from localchat.tui.widgets.sidebar import ConversationItem  # noqa: E402
 
-from tui_helpers import SIZE, answered, loaded, loader, send_and_wait, type_and_send, wait_for  # noqa: E402
+from tui_helpers import SIZE, answered, loaded, loader, pace, send_and_wait, type_and_send, wait_for  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +97,7 @@ def test_esc_saves_the_partial_answer_and_quitting_mid_answer_saves_it_too(tiny_
             await answered(pilot, app)
             first = app.chat.last_done
             assert first.reason == "cancelled" and saved(db)[-1] == ("assistant", first.text, "cancelled")
-            # The second answer is slowed down so that it is surely still running when
-            # Ctrl+Q arrives (at full speed the tiny model could fill its context first).
-            send = app.chat.send
-
-            def slow(*args, **kwargs):
-                for event in send(*args, **kwargs):
-                    time.sleep(0.005)
-                    yield event
-            app.chat.send = slow
+            pace(app.chat, 0.005)   # surely still running when Ctrl+Q arrives
             await type_and_send(pilot, "Another one.")
             await wait_for(pilot, lambda: app.query(AssistantMessage).last().text, what="the second answer")
             await pilot.press("ctrl+q")

@@ -21,8 +21,8 @@ from localchat.tui.widgets import AssistantMessage, Notice, UserMessage  # noqa:
 from localchat.tui.widgets.assistant_message import code_blocks  # noqa: E402
 from textual.widgets.markdown import MarkdownFence  # noqa: E402
 
-from tui_helpers import (SIZE, loaded, loader, record_notifications, send_and_wait,  # noqa: E402
-                         type_and_send, wait_for)
+from tui_helpers import (SIZE, loaded, loader, pace, record_notifications, send_and_wait, submit,  # noqa: E402
+                         wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +85,9 @@ def test_copy_the_answer_a_code_block_by_click_and_by_number(tiny_engine, tmp_pa
             fence = app.query(MarkdownFence).first()
             await pilot.click(fence)
             assert app.clipboard == "print('one')"
-            await type_and_send(pilot, "/copy 2")
+            await submit(pilot, "/copy 2")
             assert app.clipboard == "echo two"
-            await type_and_send(pilot, "/copy 5")
+            await submit(pilot, "/copy 5")
             assert app.clipboard == "echo two" and "have 1 to 2" in notes[-1]
 
     asyncio.run(main())
@@ -108,29 +108,29 @@ def test_slash_commands(tiny_engine, tmp_path, monkeypatch):
         async with app.run_test(size=SIZE) as pilot:
             await loaded(pilot, app)
             notes = record_notifications(app)
-            await type_and_send(pilot, "/temperature 0.5")
+            await submit(pilot, "/temperature 0.5")
             assert app.settings.temperature == 0.5
-            await type_and_send(pilot, "/temperature hot")
+            await submit(pilot, "/temperature hot")
             assert app.settings.temperature == 0.5 and "/temperature hot" in notes[-1]
             await send_and_wait(pilot, app, "hello")
-            await type_and_send(pilot, "/system Be terse.")
+            await submit(pilot, "/system Be terse.")
             assert app.chat.messages[0] == {"role": "system", "content": "Be terse."}
             assert db.get(app.store.cid).system == "Be terse."
-            await type_and_send(pilot, "/stats")
+            await submit(pilot, "/stats")
             assert "prompt tokens" in app.query(Notice).last().text
-            await type_and_send(pilot, "/export")
+            await submit(pilot, "/export")
             exported = (tmp_path / f"localchat-{app.store.cid}.md").read_text()
             assert "## You\n\nhello" in exported and "**System:** Be terse." in exported
-            await type_and_send(pilot, "/help")
+            await submit(pilot, "/help")
             assert "/temperature T" in app.query(Notice).last().text and "Ctrl+R" in app.query(Notice).last().text
-            await type_and_send(pilot, "/frobnicate")
+            await submit(pilot, "/frobnicate")
             assert "/frobnicate: unknown command" in notes[-1]
             await send_and_wait(pilot, app, "//not a command")
             assert app.query(UserMessage).last().text == "/not a command"
-            await type_and_send(pilot, "/new")
+            await submit(pilot, "/new")
             await pilot.pause()
             assert not app.query(UserMessage) and app.chat.messages == [] and app.store.cid is None
-            await type_and_send(pilot, "/quit")
+            await submit(pilot, "/quit")
             await pilot.pause()
         assert not app.is_running
 
@@ -180,14 +180,14 @@ def test_model_and_profile_commands_reload_and_keep_the_conversation(tiny_engine
             await loaded(pilot, app)
             await send_and_wait(pilot, app, "hello")
             before = list(app.chat.messages)
-            await type_and_send(pilot, "/model qwen")
+            await submit(pilot, "/model qwen")
             await wait_for(pilot, lambda: app.engine is other and app.chat is not None, what="the reload")
             assert app.chat.messages == before and app.status_bar.model == other.name
             await send_and_wait(pilot, app, "and now?")
-            await type_and_send(pilot, "/profile resident-exact")
+            await submit(pilot, "/profile resident-exact")
             await wait_for(pilot, lambda: len(asked) == 3 and app.chat is not None, what="the reload")
             assert asked[-1].profile == "resident-exact" and asked[-1].model == "qwen"
-            await type_and_send(pilot, "/model missing")
+            await submit(pilot, "/model missing")
             await wait_for(pilot, lambda: app.load_error is not None, what="the failure")
             assert app.query(Notice).last().text == "missing: not found" and app.is_running
 
@@ -203,11 +203,11 @@ def test_drafter_command_switches_the_drafter(tiny_llama):
         async with app.run_test(size=SIZE) as pilot:
             await loaded(pilot, app)
             notes = record_notifications(app)
-            await type_and_send(pilot, "/drafter none")
+            await submit(pilot, "/drafter none")
             await wait_for(pilot, lambda: eng.drafter.kind == "none", what="the drafter to change")
             await wait_for(pilot, lambda: any("Drafter: none" in n for n in notes), what="the notice")
             assert app.chat.controller.max_draft == 0
-            await type_and_send(pilot, "/drafter wizard")
+            await submit(pilot, "/drafter wizard")
             await wait_for(pilot, lambda: any("--drafter wizard" in n for n in notes), what="the refusal")
 
     asyncio.run(main())
@@ -221,9 +221,10 @@ def test_gauges_panel_shows_live_figures_sparkline_and_memory_plan(tiny_engine):
     tiny_engine.stop_ids = frozenset()
 
     async def main():
-        app = ChatApp(loader(tiny_engine), Settings(max_tokens=300), save_settings=False)
+        app = ChatApp(loader(tiny_engine), Settings(max_tokens=100), save_settings=False)
         async with app.run_test(size=SIZE) as pilot:
             await loaded(pilot, app)
+            pace(app.chat, 0.01)    # several Stats snapshots (one per 0.25 s) on any machine
             assert not app.gauges.display
             await pilot.press("ctrl+g")
             assert app.gauges.display

@@ -50,5 +50,25 @@ async def answered(pilot, app) -> None:
 
 async def send_and_wait(pilot, app, text: str) -> None:
     before = len(app.chat.messages)
-    await type_and_send(pilot, text)
+    await submit(pilot, text)
     await wait_for(pilot, lambda: len(app.chat.messages) > before and not app.generating, what="the answer")
+
+
+async def submit(pilot, text: str) -> None:
+    """Put the text in the message box and press Enter (typing it key by key costs a
+    pause per key; use type_and_send where the typing itself is under test)."""
+    pilot.app.put_in_prompt(text)
+    await pilot.press("enter")
+
+
+def pace(chat, seconds: float) -> None:
+    """Slow the chat's answers to one event per `seconds` at most: the tiny model is so
+    fast that an answer could end (or fill its context) before a key press lands, or
+    send a single Stats snapshot."""
+    send = chat.send
+
+    def paced(*args, **kwargs):
+        for event in send(*args, **kwargs):
+            time.sleep(seconds)
+            yield event
+    chat.send = paced
