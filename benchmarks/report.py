@@ -42,9 +42,39 @@ def speculative_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def streamed_table(d: dict) -> str:
+    p, r = d["placement"], d["decode"]
+    lines = [f"Weight budget {d['weight_budget'] / 1e6:.0f} MB of {d['model_bytes'] / 1e6:.0f} MB "
+             f"({p['resident_layers']} of 30 layers resident, {p['streamed_bytes_per_pass'] / 1e6:.0f} MB streamed "
+             f"a pass); pread alone: warm {d['read_rate']['warm_gbps']:.1f} GB/s, cold {d['read_rate']['cold_gbps']:.1f} GB/s.",
+             "",
+             "| mode | tok/s | vs resident | pass ms | transfer bound ms | target: 1.25×bound + resident pass | "
+             "achieved GB/s | hidden | identical |",
+             "|---|---|---|---|---|---|---|---|---|",
+             f"| resident (all held) | {r['resident']['tps']:.1f} | 1.00× | {r['resident']['pass_ms']:.0f} | – | – | – | – | – |"]
+    for mode in ("warm", "cold"):
+        x = r[mode]
+        lines.append(f"| streamed, {mode} | {x['tps']:.1f} | {x['vs_resident']:.2f}× | {x['pass_ms']:.0f} | "
+                     f"{x['transfer_bound_ms']:.0f} | {x['target_ms']:.0f} ({'met' if x['within_target'] else 'missed'}) | "
+                     f"{x['achieved_gbps']:.1f} | {x['hidden']:.0%} | {'yes' if x['identical_to_resident'] else 'NO'} |")
+    a = d.get("airllm") or {}
+    if "tok_per_s" in a:
+        lines += ["", f"AirLLM {a['airllm_version']} on the same model and prompt: {a['tok_per_s']:.3f} tok/s; "
+                      f"streamed warm is **{a['streamed_warm_vs_airllm']:.0f}×** and cold "
+                      f"**{a['streamed_cold_vs_airllm']:.0f}×** that."]
+    if d.get("copy_workloads"):
+        lines += ["", "| copy workload (streamed) | plain tok/s | + n-gram tok/s | speed-up | tok/pass | acceptance | identical |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in d["copy_workloads"]:
+            lines.append(f"| {c['id']} | {c['plain_tps']:.1f} | {c['ngram_tps']:.1f} | {c['speedup']:.2f}× | "
+                         f"{c['tokens_per_pass']:.2f} | {c['acceptance']:.0%} | {'yes' if c['identical'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     for name, render in (("decode.json", decode_table), ("speculative.json", speculative_table),
-                         ("speculative-bf16.json", speculative_table)):
+                         ("speculative-bf16.json", speculative_table),
+                         ("speculative-self-int4.json", speculative_table), ("streamed.json", streamed_table)):
         path = RESULTS / name
         if path.is_file():
             d = json.loads(path.read_text())
