@@ -255,3 +255,25 @@ def test_an_unusable_history_is_a_notice_and_the_chat_goes_on(tiny_engine):
             assert "not being saved" in str(app.sidebar.query_one(".hint").content)
 
     asyncio.run(main())
+
+
+def test_a_history_that_fails_mid_session_is_reported_once_and_the_chat_goes_on(tiny_engine, tmp_path):
+    """The database stops working after start (here: its connection is closed under
+    the app, as a vanished disk would do): the next prompt still gets its answer, and the
+    failure is one notice in the conversation, not one per message."""
+    db = History.open(tmp_path / "history.db")
+
+    async def main():
+        app = make_app(tiny_engine, db)
+        async with app.run_test(size=SIZE) as pilot:
+            await loaded(pilot, app)
+            await send_and_wait(pilot, app, "saved")
+            db._conn.close()
+            await send_and_wait(pilot, app, "not saved")
+            await send_and_wait(pilot, app, "still not saved")
+            assert [m["content"] for m in app.chat.messages if m["role"] == "user"] == \
+                ["saved", "not saved", "still not saved"]
+            notes = [n.text for n in app.query(Notice)]
+            assert len(notes) == 1 and "history.db" in notes[0], notes
+
+    asyncio.run(main())

@@ -516,6 +516,7 @@ class ChatApp(CommandHandlers, App):
         if sidebar.has_class("-show"):
             sidebar.current = self.store.cid
             await sidebar.reload()
+            await self.report_store_problem()
             sidebar.query_one("#conversation-list").focus()
         else:
             self.prompt_input.focus()

@@ -21,6 +21,7 @@ class ChatStore:
         self.last_user: int | None = None   # message ids in the open conversation
         self.last_answer: int | None = None
         self._lock = threading.Lock()
+        self._reported: set[str] = set()    # each distinct problem is shown once
 
     @property
     def saving(self) -> bool:
@@ -37,8 +38,14 @@ class ChatStore:
             return default
 
     def take_problem(self) -> str | None:
+        """The latest problem if it has not been shown yet (a dead disk fails every
+        write the same way: one notice is enough)."""
         with self._lock:
             problem, self.problem = self.problem, None
+            if problem in self._reported:
+                return None
+            if problem:
+                self._reported.add(problem)
         return problem
 
     # -- the open conversation
@@ -84,9 +91,7 @@ class ChatStore:
     # -- the list
 
     def conversations(self, search: str = "") -> list[ConversationInfo]:
-        if self.db is None:
-            return []
-        return self.db.conversations(search)     # the sidebar reports a failure itself
+        return self._do(lambda db: db.conversations(search), []) or []
 
     def title(self, cid: int) -> str:
         conv = self._do(lambda db: db.get(cid))

@@ -97,8 +97,9 @@ class Sidebar(Vertical):
         return list(self.query(ConversationItem))
 
     async def reload(self) -> None:
-        """Read the list again (after a save, rename, delete or a new search)."""
-        if self.source is None:
+        """Read the list again (after a save, rename, delete or a new search); only
+        while shown — showing it reloads it."""
+        if self.source is None or not self.has_class("-show"):
             return
         listing = self.query_one(ListView)
         search = self.query_one("#search", Input).value
