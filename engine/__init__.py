@@ -158,7 +158,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
             drafter_shape = (planner.ModelShape.from_checkpoint(local, draft_model), dweights)
     plan_profiles = profiles.load_all(Path(profile_dir) if profile_dir else None)
     plan, host_room = _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context, drafter_shape,
-                            plan_profiles)
+                            plan_profiles, dtype_given=dtype not in (None, "auto"))
     tokenizer = _load_tokenizer(ckpt.path)
     prof = profiles.find(plan_profiles, plan.chosen)
     if prof.placement == "streamed":
@@ -180,8 +180,14 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     return eng
 
 
+def quant_act_dtype(dev, requested=None) -> torch.dtype:
+    """What a quantized target computes in: the requested dtype, else bf16 where the device
+    has it natively (what load_quantized picks)."""
+    return requested or hardware.default_dtype(dev, torch.bfloat16)
+
+
 def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context,
-          drafter=None, every=None) -> tuple["planner.Plan", int]:
+          drafter=None, every=None, dtype_given: bool = False) -> tuple["planner.Plan", int]:
     """Plan before loading, and pick the target: the best runnable profile (by rank:
     resident exact > resident quantized > streamed exact) that fits with `context` tokens
     of KV cache (default 4096, or the model's own limit if smaller). Also returns the host
@@ -204,7 +210,8 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
         raise BadRequest(f"--profile {forced}: this version runs {', '.join(can)}; use one of those or auto")
     plan = planner.make_plan(shape, hw, every, context=min(context or 4096, max_pos), force=forced,
                              runnable=can, drafter=drafter[0] if drafter else None,
-                             drafter_weights=drafter[1] if drafter else "exact")
+                             drafter_weights=drafter[1] if drafter else "exact",
+                             quant_act_bytes=torch.finfo(quant_act_dtype(dev, dt if dtype_given else None)).bits // 8)
     if plan.chosen is None:
         raise BadRequest(f"{ckpt.name} does not fit the {planner.gb(hw.budget_bytes)} budget on {hw.device}: "
                          f"{plan.reason} Raise --vram, lower --context, or pick a smaller model (`localchat setup`)")

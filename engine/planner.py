@@ -12,7 +12,7 @@ table (`localchat doctor`)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .errors import BadRequest
@@ -174,9 +174,11 @@ def activation_bytes(shape: ModelShape, positions: int, context: int) -> int:
 def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context: int = 8192,
               drafter: ModelShape | None = None, force: str | None = None,
               bandwidth: dict | None = None, runnable: tuple[str, ...] | None = None,
-              drafter_weights: str = "exact") -> Plan:
+              drafter_weights: str = "exact", quant_act_bytes: int | None = None) -> Plan:
     """Every term of every profile; the chosen one is the first (by rank) that fits and,
-    if `runnable` is given, that the engine has a target for."""
+    if `runnable` is given, that the engine has a target for. `quant_act_bytes`: the element
+    size a quantized target computes in (its unquantized embeddings, head, norms and KV
+    cache) when it differs from the checkpoint's."""
     bw = dict(DEFAULT_BANDWIDTH)
     bw.update(bandwidth or {})
     kind = "cpu" if hw.device == "cpu" else next((a.kind for a in hw.accelerators if a.device == hw.device), "cuda")
@@ -186,7 +188,8 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
         # Python runtime lives outside it.
         runtime = 0
     profiles = sorted(profiles, key=lambda p: (p.rank, p.name))    # the choice below takes the first that fits
-    rows = [_row(shape, hw, p, context, drafter, runtime, kind, bw, drafter_weights) for p in profiles]
+    rows = [_row(shape, hw, p, context, drafter, runtime, kind, bw, drafter_weights, quant_act_bytes)
+            for p in profiles]
     if force:
         row = next((r for r in rows if r.profile == force), None)
         if row is None:
@@ -213,8 +216,11 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
 
 
 def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: ModelShape | None,
-         runtime: int, kind: str, bw: dict, drafter_weights: str = "exact") -> PlanRow:
+         runtime: int, kind: str, bw: dict, drafter_weights: str = "exact",
+         quant_act_bytes: int | None = None) -> PlanRow:
     budget = hw.budget_bytes
+    if p.weights in ("int8", "int4") and quant_act_bytes:
+        shape = replace(shape, dtype_bytes=quant_act_bytes)
     kv_tok = shape.kv_bytes_per_token()
     draft_bytes = 0
     if drafter is not None and p.drafter in ("auto", "model"):

@@ -77,6 +77,8 @@ def measure_bandwidth(folder: Path, size: int = 256 * 2**20) -> dict:
 
 
 def doctor_main(argv: list[str]) -> int:
+    import torch
+
     import engine
     from engine import checkpoint, hardware, planner, profiles
 
@@ -101,7 +103,9 @@ def doctor_main(argv: list[str]) -> int:
         bw = measure_bandwidth(checkpoint.default_cache_dir()) if args.measure else {}
         plan = planner.make_plan(shape, hw, profs, context=args.context, drafter=draft, force=args.profile,
                                  bandwidth=bw, runnable=engine.runnable(profs),
-                                 drafter_weights=dweights if draft else "exact")
+                                 drafter_weights=dweights if draft else "exact",
+                                 quant_act_bytes=torch.finfo(engine.quant_act_dtype(
+                                     hardware.pick_device(hw.device))).bits // 8)
         from engine import fidelity
         if args.fidelity:
             fid = fidelity.measure_formats(ckpt.path, hardware.pick_device(hw.device))

@@ -161,3 +161,19 @@ def test_planned_resident_bytes_match_what_the_engine_holds(demo_engine):
     predicted = row.weights + row.kv
     assert abs(predicted / t.device_bytes() - 1) < 0.15
     assert row.kv == t.cache.nbytes()
+
+
+@pytest.mark.demo
+@pytest.mark.parametrize("profile, budget", [("resident-int8", "4GiB"), ("resident-int4", "4GiB"),
+                                             ("streamed-exact", "300MB")])
+def test_planned_bytes_match_what_each_target_holds(profile, budget):
+    """For each profile forced on the demo model: the planner's weights + KV against the
+    bytes the loaded target holds (its weight tensors or, streamed, its ledger of resident
+    units and prefetch slots; its preallocated KV cache grown to the planned context)."""
+    import engine
+    eng = engine.open(None, profile=profile, memory_budget=budget, context=1024, drafter="none")
+    t = eng.target
+    t.cache.reserve(eng.plan.row(profile).context)
+    row = eng.plan.row(profile)
+    held = t.weight_bytes() + t.cache.nbytes()
+    assert abs((row.weights + row.kv) / held - 1) < 0.15, (row, held)
