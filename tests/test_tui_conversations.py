@@ -115,8 +115,8 @@ def test_esc_saves_the_partial_answer_and_quitting_mid_answer_saves_it_too(tiny_
 
 def test_retry_and_edit_replace_the_last_turn_on_screen_in_the_engine_and_in_the_database(tiny_engine, db):
     """Ctrl+R answers the last prompt again in place of its answer; Ctrl+E puts the last
-    prompt in the box (marked as editing), and Enter sends the edited text in place of
-    the last prompt and its answer. Earlier turns stay."""
+    prompt in the box (marked as editing; Esc gives up editing), and Enter sends the
+    edited text in place of the last prompt and its answer. Earlier turns stay."""
 
     async def main():
         app = make_app(tiny_engine, db, temperature=1.0, seed=None)
@@ -133,8 +133,10 @@ def test_retry_and_edit_replace_the_last_turn_on_screen_in_the_engine_and_in_the
             assert [r[:2] for r in saved(db)][2] == ("user", "second")
             assert saved(db)[3][1] == app.chat.last_done.text
 
-            await pilot.press("ctrl+e")
             box = app.prompt_input
+            await pilot.press("ctrl+e", "escape")         # Esc leaves editing, the box empties
+            assert not app.editing and box.text == "" and not box.has_class("-editing")
+            await pilot.press("ctrl+e")
             assert app.editing and box.text == "second" and box.has_class("-editing")
             await pilot.press("end", "!", "enter")
             await wait_for(pilot, lambda: not app.generating and app.chat.messages[-2]["content"] == "second!",
