@@ -299,3 +299,13 @@ def test_loading_progress_is_shown(tiny_engine):
         release.set()
 
     asyncio.run(main())
+
+
+def test_gauges_say_where_a_streamed_models_weights_live(tiny_llama):
+    """A model streamed under a small budget: the gauges' plan line says how many units
+    stay on the device, come from host RAM or from disk, and the bytes a pass streams."""
+    from localchat.tui.widgets.gauges import where_weights_live
+    eng = engine.open(str(tiny_llama), memory_budget="3MB", profile="streamed-exact", context=64)
+    text = where_weights_live(eng.describe())
+    assert "units stay on cpu" in text and "from disk" in text and "a pass" in text
+    assert where_weights_live({"device": "cpu"}) == ""

@@ -32,6 +32,18 @@ def bar(used: int, total: int, width: int = 20) -> Text:
     return Text.assemble(("█" * filled, "#5fafff"), ("░" * (width - filled), "#3a3a3a"))
 
 
+def where_weights_live(description: dict) -> str:
+    """For a streamed model, where its weights are: the units (layers, embeddings, head
+    chunks) that stay on the device, those held in host RAM, those read from disk on
+    every pass — what runs from the GPU's memory and what has to come over."""
+    streaming = description.get("streaming")
+    if not streaming:
+        return ""
+    return (f"\n{'':12}weights: {streaming['resident_units']} units stay on {description.get('device', '?')} · "
+            f"{streaming['host_units']} streamed from host RAM · {streaming['disk_units']} from disk · "
+            f"{human_bytes(streaming['streamed_bytes_per_pass'])} a pass")
+
+
 class GaugesPanel(Vertical):
     """Call `set_engine(describe, plan, host_total)` once a model is loaded,
     `start_answer()` when an answer begins and `update(stats)` for each snapshot."""
@@ -79,7 +91,8 @@ class GaugesPanel(Vertical):
         self.host_total = host_total
         self.context_max = int(description.get("context_max") or 0)
         self.plan_label = (f"{description.get('profile') or 'resident'} on {description.get('device', '?')} · "
-                           f"{description.get('dtype', '')} · drafter {description.get('drafter', '?')}")
+                           f"{description.get('dtype', '')} · drafter {description.get('drafter', '?')}"
+                           + where_weights_live(description))
         self.query_one(PlanBar).row = row
         self._draw()
 
