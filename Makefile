@@ -32,7 +32,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/decode.py
 	$(BIN)/python benchmarks/speculative.py
 	$(BIN)/python benchmarks/speculative.py --dtype bfloat16 --no-model-drafter --out benchmarks/results/speculative-bf16.json
+	$(BIN)/python benchmarks/speculative.py --drafter-weights int4 --out benchmarks/results/speculative-self-int4.json
 	$(BIN)/python benchmarks/streamed.py
+	$(BIN)/python benchmarks/quantized.py
+	$(BIN)/python benchmarks/fidelity.py
+	$(BIN)/python benchmarks/tui_latency.py
 	$(BIN)/python benchmarks/report.py
 
 clean:
