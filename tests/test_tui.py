@@ -186,7 +186,8 @@ def test_quitting_mid_answer_ends_the_generation(tiny_engine):
             await pilot.press("ctrl+q")
         return app
 
-    app = asyncio.run(main())      # returns once the worker thread has finished too
+    app = asyncio.run(main())
+    assert app.wait_for_generation(DEADLINE)    # the engine thread has ended the answer
     assert not app.is_running
     done = app.chat.last_done
     assert done is not None and done.reason == "cancelled"

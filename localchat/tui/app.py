@@ -2,7 +2,7 @@
 
 Threads. Textual widgets belong to the UI thread (the asyncio loop). The engine blocks
 (loading a model takes seconds to minutes, every decoding step a few milliseconds), so
-it runs in thread workers:
+it runs on one thread of its own, the engine thread, one job at a time:
 
 - `_load` calls `load_engine(settings, progress)` (at start, and for /model and
   /profile), so the window opens at once and shows the loading progress;
@@ -13,14 +13,15 @@ it runs in thread workers:
   commits it to the history itself, before telling the UI: quitting mid-answer still
   saves the partial answer.
 
-`Chat.cancel()` is the one engine call made from the UI thread while a worker runs
+`Chat.cancel()` is the one engine call made from the UI thread while the engine works
 (Esc, Ctrl+L, quitting): it is a thread-safe flag the decode loop checks between steps.
 
-No torch work on the UI thread, ever (not even opening the engine): once the main
-thread has run a parallel (OpenMP) op, its thread team lives as long as the process,
-and libgomp then throttles the spin-wait of every other thread's team on a machine with
-few cores — the small matmuls of a decode step in the generation thread run ~3x slower
-(measured on the 2-core development machine; see benchmarks/tui_latency.py).
+One engine thread, not Textual's thread workers (a pool), and no torch work on the UI
+thread, ever: each thread that runs a parallel (OpenMP) torch op keeps a thread team for
+as long as it lives, and with a second team in the process libgomp throttles their
+spin-wait on a machine with few cores — the small matmuls of a decode step then run ~3x
+slower (measured on the 2-core development machine: decode 16 instead of 24 tok/s when
+an answer ran on another pool thread than the one that had loaded the model).
 
 What is saved when (see `store.py` and `localchat/history.py`): a prompt is committed
 before its answer starts; an answer when it ends, is stopped or fails.
@@ -40,15 +41,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
-from textual.worker import get_current_worker
 
 import engine
 from localchat import config
@@ -71,7 +71,7 @@ LoadEngine = Callable[[Settings, Callable[[str, int, int], None]], engine.Engine
 
 
 class ChatApp(CommandHandlers, App):
-    """Chat with a local model. `load_engine` runs in a worker thread; it may raise
+    """Chat with a local model. `load_engine` runs on the engine thread; it may raise
     `engine.EngineError`, which is shown and leaves the app open. `store` saves the
     conversations (a store without a database chats in memory); `resume` is a
     conversation id, or "last", to open at start."""
@@ -114,6 +114,8 @@ class ChatApp(CommandHandlers, App):
         self._idle = threading.Event()                  # no generation thread running
         self._idle.set()
         self._loading: dict = {}                        # what the load thread reports, read by a timer
+        # The one thread the engine runs on (see the module docstring for why one).
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localchat-engine")
 
     # -- layout
 
@@ -165,10 +167,25 @@ class ChatApp(CommandHandlers, App):
         self._start_loading()
 
     def on_unmount(self) -> None:
-        # Quitting mid-answer: let the generation thread end at its next step (it saves
-        # the partial answer as it ends).
+        # Quitting mid-answer: let the generation end at its next step (it saves the
+        # partial answer as it ends). Queued jobs are dropped; the running one finishes.
         if self.chat is not None:
             self.chat.cancel()
+        self._engine_thread.shutdown(wait=False, cancel_futures=True)
+
+    def on_engine_thread(self, job: Callable, *args) -> None:
+        """Run job(*args) on the engine thread. A job reports to the UI itself
+        (call_from_thread, post_message); an exception that escapes it is a bug, shown
+        as one line rather than lost in a future nobody reads."""
+        def run() -> None:
+            try:
+                job(*args)
+            except Exception as exc:
+                self._to_ui(self.notify, f"{type(exc).__name__}: {exc}", severity="error")
+        try:
+            self._engine_thread.submit(run)
+        except RuntimeError:      # shut down: the app is closing
+            pass
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         # The priority keys belong to the chat screen; over a dialog they do what the
@@ -212,7 +229,7 @@ class ChatApp(CommandHandlers, App):
         self.status_bar.model = ""
         self.status_bar.activity = LOADING
         self._load_timer = self.set_interval(0.5, self._show_loading)
-        self._load(self.settings)
+        self.on_engine_thread(self._load, self.settings)
 
     def _show_loading(self) -> None:
         info = self._loading
@@ -228,8 +245,8 @@ class ChatApp(CommandHandlers, App):
         """Called by the engine from the loading thread: only note it, the timer draws it."""
         self._loading.update(what=what, done=done, total=total)
 
-    @work(thread=True, name="load", group="load", exit_on_error=False)
     def _load(self, settings: Settings) -> None:
+        """On the engine thread: open the engine, hand it to the UI."""
         try:
             eng = self._load_engine(settings, self._progress)
         except engine.EngineError as exc:
@@ -359,13 +376,13 @@ class ChatApp(CommandHandlers, App):
         self._idle.clear()
         self.gauges.start_answer()
         self.status_bar.activity = GENERATING
-        self._generate(events, reply, mode == "retry")
+        self.on_engine_thread(self._generate, events, reply, mode == "retry")
         await self.report_store_problem()
         return True
 
-    @work(thread=True, name="generate", group="generate", exit_on_error=False)
     def _generate(self, events, reply: AssistantMessage, replaces_answer: bool) -> None:
-        """Drain the engine's events; hand them to the UI in batches; save the answer."""
+        """On the engine thread: drain the engine's events, hand them to the UI in
+        batches, save the answer."""
         try:
             stats, done = self._drain(events, reply)
             self.store.save_answer(done.text, done.reason, done.error, stats.as_dict() if stats else None,
@@ -379,7 +396,6 @@ class ChatApp(CommandHandlers, App):
             self._idle.set()
 
     def _drain(self, events, reply: AssistantMessage) -> tuple[engine.Stats | None, engine.Done]:
-        worker = get_current_worker()
         pending: list[str] = []
         stats = last_stats = None
         done: engine.Done | None = None
@@ -392,8 +408,6 @@ class ChatApp(CommandHandlers, App):
                     stats = last_stats = event
                 elif isinstance(event, engine.Done):
                     done = event
-                if worker.is_cancelled:
-                    self.chat.cancel()
                 now = time.monotonic()
                 if (done is None and (pending or stats) and now - last_flush >= FLUSH_SECONDS
                         and not self._ui_busy.is_set()):
@@ -436,11 +450,11 @@ class ChatApp(CommandHandlers, App):
         finally:
             self._ui_busy.clear()
 
-    def _to_ui(self, callback, *args) -> bool:
+    def _to_ui(self, callback, *args, **kwargs) -> bool:
         """Run `callback` on the UI thread and wait for it. False if it could not run:
         the app has stopped, or is tearing its widgets down."""
         try:
-            self.call_from_thread(callback, *args)
+            self.call_from_thread(callback, *args, **kwargs)
             return True
         except Exception:
             if self.chat is not None:

@@ -1,12 +1,10 @@
 """What each slash command does (the table of commands is in commands.py). Mixed into
 ChatApp: these methods use its chat, engine, store and widgets, and run on the UI thread
-(a drafter that has to load goes to a worker)."""
+(a drafter that has to load goes to the engine thread)."""
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-
-from textual import work
 
 import engine
 
@@ -89,11 +87,10 @@ class CommandHandlers:
         if self.engine is None:
             self.notify("No model loaded yet.", severity="warning")
             return
-        self._set_drafter(argument)
+        self.on_engine_thread(self._set_drafter, argument)
 
-    @work(thread=True, name="drafter", group="load", exit_on_error=False)
     def _set_drafter(self, kind: str) -> None:
-        # A model drafter loads weights: not on the UI thread.
+        # On the engine thread: a model drafter loads weights.
         try:
             self.engine.set_drafter(kind, self.settings.draft_model)
         except engine.EngineError as exc:
