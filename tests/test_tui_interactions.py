@@ -279,7 +279,7 @@ def test_settings_screen_saves_to_the_config_file(tiny_engine):
 
 def test_loading_progress_is_shown(tiny_engine):
     """While the model loads, the status bar says what is loading, for how long, and the
-    layer count the engine reports."""
+    layer count the engine reports; /model is refused until the load ends."""
     import threading
     release = threading.Event()
 
@@ -291,8 +291,11 @@ def test_loading_progress_is_shown(tiny_engine):
     async def main():
         app = ChatApp(load, Settings(), save_settings=False)
         async with app.run_test(size=SIZE) as pilot:
+            notes = record_notifications(app)
             await wait_for(pilot, lambda: "layer 3/30" in app.status_bar.text, what="the progress")
             assert "Loading the demo model…" in app.status_bar.text and " s · " in app.status_bar.text
+            await submit(pilot, "/model other")          # one load at a time
+            assert "still loading" in notes[-1] and app.settings.model is None
             release.set()
             await loaded(pilot, app)
             assert "Loading" not in app.status_bar.text

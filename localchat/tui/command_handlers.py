@@ -73,12 +73,19 @@ class CommandHandlers:
         self.settings = replace(self.settings, temperature=t)
         self.notify(f"Temperature {t:g} for the next answers", timeout=3)
 
+    def _can_reload(self) -> bool:
+        if self.engine is None and self.load_error is None:
+            # One load at a time: a second would only queue behind the first.
+            self.notify("A model is still loading; wait for it first.", severity="warning")
+            return False
+        return self._idle_or_say()
+
     async def command_model(self, argument: str) -> None:
-        if self._idle_or_say():
+        if self._can_reload():
             self.reload_engine(replace(self.settings, model=argument))
 
     async def command_profile(self, argument: str) -> None:
-        if self._idle_or_say():
+        if self._can_reload():
             self.reload_engine(replace(self.settings, profile=argument))
 
     async def command_drafter(self, argument: str) -> None:
