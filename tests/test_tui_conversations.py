@@ -90,6 +90,9 @@ def test_esc_saves_the_partial_answer_and_quitting_mid_answer_saves_it_too(tiny_
         app = make_app(tiny_engine, db, max_tokens=2000)
         async with app.run_test(size=SIZE) as pilot:
             await loaded(pilot, app)
+            # Paced: each answer is surely still running when its key arrives (at full
+            # speed the tiny model can finish 2000 tokens first on a busy machine).
+            pace(app.chat, 0.005)
             await type_and_send(pilot, "Tell me a long story.")
             await wait_for(pilot, lambda: app.query(AssistantMessage) and app.query(AssistantMessage).last().text,
                            what="the answer to start")
@@ -97,7 +100,6 @@ def test_esc_saves_the_partial_answer_and_quitting_mid_answer_saves_it_too(tiny_
             await answered(pilot, app)
             first = app.chat.last_done
             assert first.reason == "cancelled" and saved(db)[-1] == ("assistant", first.text, "cancelled")
-            pace(app.chat, 0.005)   # surely still running when Ctrl+Q arrives
             await type_and_send(pilot, "Another one.")
             await wait_for(pilot, lambda: app.query(AssistantMessage).last().text, what="the second answer")
             await pilot.press("ctrl+q")

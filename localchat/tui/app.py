@@ -16,12 +16,8 @@ it runs on one thread of its own, the engine thread, one job at a time:
 `Chat.cancel()` is the one engine call made from the UI thread while the engine works
 (Esc, Ctrl+L, quitting): it is a thread-safe flag the decode loop checks between steps.
 
-One engine thread, not Textual's thread workers (a pool), and no torch work on the UI
-thread, ever: each thread that runs a parallel (OpenMP) torch op keeps a thread team for
-as long as it lives, and with a second team in the process libgomp throttles their
-spin-wait on a machine with few cores — the small matmuls of a decode step then run ~3x
-slower (measured on the 2-core development machine: decode 16 instead of 24 tok/s when
-an answer ran on another pool thread than the one that had loaded the model).
+The engine thread is one thread for the app's life (engine_thread.py says why one, and
+why a daemon), and no torch work ever runs on the UI thread.
 
 What is saved when (see `store.py` and `localchat/history.py`): a prompt is committed
 before its answer starts; an answer when it ends, is stopped or fails.
@@ -41,7 +37,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,6 +52,7 @@ from localchat.format import human_bytes
 
 from .command_handlers import CommandHandlers
 from .commands import SlashCommandProvider, parse
+from .engine_thread import EngineThread
 from .store import ChatStore
 from .widgets import AssistantMessage, Conversation, GaugesPanel, PromptInput, Sidebar, StatusBar, UserMessage
 
@@ -114,8 +110,8 @@ class ChatApp(CommandHandlers, App):
         self._idle = threading.Event()                  # no generation thread running
         self._idle.set()
         self._loading: dict = {}                        # what the load thread reports, read by a timer
-        # The one thread the engine runs on (see the module docstring for why one).
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localchat-engine")
+        self._engine_thread = EngineThread()             # where every engine call that blocks runs
+        self._quitting = threading.Event()              # the app is closing: stop the answer
 
     # -- layout
 
@@ -166,12 +162,17 @@ class ChatApp(CommandHandlers, App):
             await self._resume(self.resume)
         self._start_loading()
 
+    def exit(self, *args, **kwargs) -> None:
+        self._quitting.set()
+        super().exit(*args, **kwargs)
+
     def on_unmount(self) -> None:
         # Quitting mid-answer: let the generation end at its next step (it saves the
         # partial answer as it ends). Queued jobs are dropped; the running one finishes.
+        self._quitting.set()
         if self.chat is not None:
             self.chat.cancel()
-        self._engine_thread.shutdown(wait=False, cancel_futures=True)
+        self._engine_thread.close()
 
     def on_engine_thread(self, job: Callable, *args) -> None:
         """Run job(*args) on the engine thread. A job reports to the UI itself
@@ -182,10 +183,7 @@ class ChatApp(CommandHandlers, App):
                 job(*args)
             except Exception as exc:
                 self._to_ui(self.notify, f"{type(exc).__name__}: {exc}", severity="error")
-        try:
-            self._engine_thread.submit(run)
-        except RuntimeError:      # shut down: the app is closing
-            pass
+        self._engine_thread.submit(run)     # refused once the app is closing
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         # The priority keys belong to the chat screen; over a dialog they do what the
@@ -408,6 +406,10 @@ class ChatApp(CommandHandlers, App):
                     stats = last_stats = event
                 elif isinstance(event, engine.Done):
                     done = event
+                if self._quitting.is_set():
+                    # Checked here, not only when posting: a batch the closing UI never
+                    # drew keeps _ui_busy set, and no post would find out.
+                    self.chat.cancel()
                 now = time.monotonic()
                 if (done is None and (pending or stats) and now - last_flush >= FLUSH_SECONDS
                         and not self._ui_busy.is_set()):
