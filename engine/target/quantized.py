@@ -89,13 +89,7 @@ class QuantizedTarget(ResidentTarget):
 
     def __init__(self, cfg, device: torch.device, act_dtype: torch.dtype, impl_parts: dict, info: QuantInfo,
                  cache_capacity: int = 1024):
-        self.config = cfg
-        self.device, self.dtype = device, act_dtype
-        self.vocab_size = cfg.vocab_size
-        self.max_positions = getattr(cfg, "max_position_embeddings", None) or 1 << 20
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, act_dtype, device,
-                             capacity=cache_capacity, max_positions=self.max_positions)
+        self._setup(cfg, device, act_dtype, cache_capacity)
         self.impl = QuantizedForward(cfg, self.cache, **impl_parts)
         self.kind = "fast"
         self.fallback_reason = None

@@ -24,14 +24,7 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
 class ResidentTarget:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, fast: bool = True,
                  cache_capacity: int = 1024):
-        cfg = model.config
-        self.config = cfg
-        self.device, self.dtype = device, dtype
-        self.vocab_size = cfg.vocab_size
-        self.max_positions = getattr(cfg, "max_position_embeddings", None) or 1 << 20
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, device,
-                             capacity=cache_capacity, max_positions=self.max_positions)
+        self._setup(model.config, device, dtype, cache_capacity)
         why_not = llama_family.can_run(model) if fast else "disabled"
         if why_not is None:
             self.impl = llama_family.LlamaFamilyForward(model, self.cache)
@@ -41,6 +34,18 @@ class ResidentTarget:
             self.kind = "transformers"
         self.fallback_reason = why_not
         self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
+
+    def _setup(self, cfg, device: torch.device, dtype: torch.dtype, cache_capacity: int,
+                max_positions: int | None = None) -> None:
+        """What every target holds besides its weights: the shape, the dtype and a KV cache
+        (the quantized and streamed targets call this too)."""
+        self.config = cfg
+        self.device, self.dtype = device, dtype
+        self.vocab_size = cfg.vocab_size
+        self.max_positions = max_positions or getattr(cfg, "max_position_embeddings", None) or 1 << 20
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, device,
+                             capacity=min(cache_capacity, self.max_positions), max_positions=self.max_positions)
 
     @torch.inference_mode()
     def forward(self, ids, all_logits: bool = False) -> torch.Tensor:

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import planner
-from ..cache import KVCache
 from ..errors import BadRequest, EngineError, UnsupportedModel
 from . import layer_index, llama_family
+from .resident import ResidentTarget
 from .prefetch import Counters, Filler, Files, Ledger, Prefetcher, Slot, byte_view
 
 
@@ -121,20 +121,16 @@ class StreamedTarget:
         why_not = llama_family.can_run(skeleton)
         if why_not is not None:
             raise UnsupportedModel(f"{path}: the streamed profile cannot run this model ({why_not})")
-        self.config, self.path = cfg, Path(path)
-        self.device, self.dtype = device, dtype
-        self.vocab_size = cfg.vocab_size
+        self.path = Path(path)
         self.kind = "streamed"
         self.fallback_reason = None
         self.depth = depth
         self.bandwidth = dict(planner.DEFAULT_BANDWIDTH, **(bandwidth or {}))
         self.index = layer_index.build(self.path, cfg.num_hidden_layers,
                                        bool(getattr(cfg, "tie_word_embeddings", False)), slot_numel)
+        # The KV cache is capped at the planned context: the budget was planned for it.
         model_max = getattr(cfg, "max_position_embeddings", None) or 1 << 20
-        self.max_positions = min(model_max, context) if context else model_max
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, device,
-                             capacity=min(1024, self.max_positions), max_positions=self.max_positions)
+        ResidentTarget._setup(self, cfg, device, dtype, 1024, min(model_max, context) if context else model_max)
         self.weight_budget, self.host_budget = weight_budget, host_budget
         self._progress = progress or (lambda what, done, total: None)
         self._place(weight_budget, host_budget)
