@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--continue", "-c", dest="resume_last", action="store_true",
                       help="chat UI: resume the most recent conversation")
     conv.add_argument("--cid", type=int, metavar="ID", help="chat UI: resume conversation ID (`localchat history`)")
-    conv.add_argument("--no-log", action="store_true", help="do not save this one-shot prompt and its answer")
+    conv.add_argument("--no-log", action="store_true",
+                      help="save nothing: neither this one-shot prompt nor, in the chat UI, this session")
     conv.add_argument("--data-dir", metavar="DIR", help="where history.db lives (default: the user data dir)")
     p.add_argument("--stats", action="store_true", help="print one line of statistics on stderr")
     p.add_argument("--json", action="store_true",
@@ -160,8 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if interactive and not args.json:
             from .tui.app import run_tui
+            if args.no_log and (args.resume_last or args.cid):
+                error("--no-log starts an unsaved chat; it cannot resume one (drop --continue/--cid)")
+                return EXIT_USAGE
             return run_tui(open_engine, settings, data_dir=args.data_dir,
-                           resume="last" if args.resume_last else args.cid)
+                           resume="last" if args.resume_last else args.cid, save=not args.no_log)
         from .oneshot import run_oneshot
         return run_oneshot(args, settings)
     except KeyboardInterrupt:

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="one conversation as Markdown")
     export.add_argument("id", type=int, metavar="ID")
     export.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of stdout")
+    delete = sub.add_parser("delete", help="delete one conversation (asks first unless --yes)")
+    delete.add_argument("id", type=int, metavar="ID")
+    delete.add_argument("--yes", "-y", action="store_true", help="do not ask")
     return p
 
 
@@ -49,6 +52,8 @@ def history_main(argv: list[str]) -> int:
         if args.command == "show":
             sys.stdout.write(as_text(conv))
             return EXIT_OK
+        if args.command == "delete":
+            return delete_conversation(db, conv, args.yes)
         markdown = hist.to_markdown(conv)
         if args.output:
             try:
@@ -63,6 +68,20 @@ def history_main(argv: list[str]) -> int:
         return fail(str(exc), EXIT_FAIL)
     finally:
         db.close()
+
+
+def delete_conversation(db: hist.History, conv: hist.Conversation, yes: bool) -> int:
+    """Deleting is for good: ask on a terminal, and refuse to guess when nobody can answer."""
+    if not yes:
+        if not sys.stdin.isatty():
+            return fail(f"history delete {conv.id}: add --yes to delete without a terminal to confirm", EXIT_USAGE)
+        answer = input(f"Delete conversation {conv.id} \"{conv.title}\" ({len(conv.messages)} messages)? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("kept", file=sys.stderr)
+            return EXIT_OK
+    db.delete(conv.id)
+    print(f"deleted conversation {conv.id}", file=sys.stderr)
+    return EXIT_OK
 
 
 def list_conversations(db: hist.History, search: str, limit: int) -> int:

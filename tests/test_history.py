@@ -245,3 +245,21 @@ def test_resume_flags_are_checked(capsys):
     assert cli.main(["--cid", "3", "a prompt"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "chat UI" in err
+
+
+def test_history_delete_asks_on_a_terminal_and_needs_yes_without_one(db, tmp_path, monkeypatch, capsys):
+    """`localchat history delete ID`: --yes deletes; on a terminal it asks (n keeps, y
+    deletes); with no terminal and no --yes it refuses in one line, exit 2."""
+    data = str(tmp_path)
+    keep, gone, asked = (db.new_conversation(t) for t in ("keep", "gone", "asked"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert history_main(["--data-dir", data, "delete", str(keep)]) == 2
+    assert "--yes" in capsys.readouterr().err and db.get(keep) is not None
+    assert history_main(["--data-dir", data, "delete", str(gone), "--yes"]) == 0
+    assert db.get(gone) is None
+    monkeypatch.setattr(sys, "stdin", TerminalStdin("n\n"))
+    assert history_main(["--data-dir", data, "delete", str(asked)]) == 0
+    assert db.get(asked) is not None
+    monkeypatch.setattr(sys, "stdin", TerminalStdin("y\n"))
+    assert history_main(["--data-dir", data, "delete", str(asked)]) == 0
+    assert db.get(asked) is None

@@ -662,13 +662,16 @@ def _host_total() -> int:
 
 
 def run_tui(load_engine: LoadEngine, settings: Settings, data_dir: str | None = None,
-            resume: int | str | None = None) -> int:
-    """Run the chat app in the terminal until the user quits; the process exit code."""
+            resume: int | str | None = None, save: bool = True) -> int:
+    """Run the chat app in the terminal until the user quits; the process exit code.
+    save=False (--no-log): the database is not even opened; the chat lives in memory."""
     from localchat import history
-    try:
-        db, problem = history.History.open(history.default_path(data_dir)), None
-    except history.HistoryError as exc:
-        db, problem = None, str(exc)     # chat in memory; the app shows why
+    db, problem = None, None
+    if save:
+        try:
+            db = history.History.open(history.default_path(data_dir))
+        except history.HistoryError as exc:
+            problem = str(exc)               # chat in memory; the app shows why
     app = ChatApp(load_engine, settings, ChatStore(db, problem), resume=resume)
     app.run()
     app.wait_for_generation(10)          # a stopped answer is saved by its own thread
