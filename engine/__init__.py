@@ -171,7 +171,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
                                 act_dtype=None if dtype in (None, "auto") else dt, cache_dir=cache_dir,
                                 progress=progress)
     else:
-        target = load_resident(ckpt.path, dev, dt, fast=fast)
+        target = load_resident(ckpt.path, dev, dt, fast=fast, progress=progress)
     # The profile says how deep drafting may go (a streamed pass pays for depth: 16).
     eng = Engine(ckpt, tokenizer, target, max_draft=max_draft if max_draft is not None else prof.max_draft,
                  draft_tokens=draft_tokens)

@@ -74,3 +74,18 @@ def test_a_user_profile_can_quantize_the_embeddings_too(tiny_llama, tmp_path):
         'name = "streamed-int4"\n[target]\nplacement = "streamed"\nweights = "int4"\n')
     with pytest.raises(engine.BadRequest, match="--profile streamed-int4: this version runs"):
         engine.open(str(tiny_llama), device="cpu", profile="streamed-int4", profile_dir=tmp_path)
+
+
+def test_loading_reports_progress_for_each_kind_of_target(tiny_llama):
+    """What the chat UI shows while a model loads: the file being read and its bytes
+    (resident), the layers quantized or loaded (int8/int4), the units placed (streamed)."""
+    for profile, want in (("resident-exact", "reading model.safetensors"), ("resident-int8", None),
+                          ("streamed-exact", "layer 1")):
+        seen = []
+        engine.open(str(tiny_llama), device="cpu", profile=profile, drafter="none", context=64,
+                    progress=lambda what, done, total: seen.append((what, done, total)))
+        assert seen, profile
+        assert all(0 <= done <= total for _, done, total in seen), seen
+        if want:
+            assert any(what == want for what, _, _ in seen), seen
+        assert seen[-1][1] == seen[-1][2]         # it ends complete

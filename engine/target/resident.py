@@ -65,11 +65,39 @@ class ResidentTarget:
         return self._weight_bytes + self.cache.nbytes()
 
 
-def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bool = True) -> ResidentTarget:
+def read_ahead(path: Path, progress) -> None:
+    """Read the weight files once, reporting `progress(file name, bytes read, bytes in all)`.
+    transformers loads through mmap and says nothing while the disk works; reading first
+    turns the slow part of a large load into visible progress, and the load that follows
+    finds the bytes in the page cache. Skipped when the files would not fit in free RAM
+    (they would evict themselves before the load reads them)."""
+    import psutil
+
+    from ..checkpoint import weight_files
+    files = weight_files(path)
+    total = sum(f.stat().st_size for f in files)
+    if total > 0.8 * psutil.virtual_memory().available:
+        return
+    buf = bytearray(16 << 20)
+    done, last = 0, 0
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                done += n
+                if done - last >= 64 << 20 or done == total:
+                    progress(f"reading {f.name}", done, total)
+                    last = done
+    progress("building the model", total, total)
+
+
+def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bool = True,
+                  progress=None) -> ResidentTarget:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if progress is not None:
+        read_ahead(path, progress)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError) as exc:

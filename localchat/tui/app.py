@@ -236,7 +236,10 @@ class ChatApp(CommandHandlers, App):
         name = self.settings.model or "the demo model"
         line = f"Loading {name}… {time.monotonic() - info['started']:.0f} s · {human_bytes(max(0, _rss() - info['rss']))} in memory"
         if info.get("total"):
-            line += f" · {info['what']} {info['done']}/{info['total']}"
+            done, total = info["done"], info["total"]
+            if total > 1 << 20:      # bytes (a file being read), not layers
+                done, total = human_bytes(done), human_bytes(total)
+            line += f" · {info['what']} {done}/{total}"
         self.status_bar.activity = line
 
     def _progress(self, what: str, done: int, total: int) -> None:
