@@ -214,6 +214,15 @@ def host_rss() -> int:
         return 0
 
 
+def host_total() -> int:
+    """Physical memory of the machine (0 if unknown)."""
+    try:
+        import psutil
+        return psutil.virtual_memory().total
+    except Exception:
+        return 0
+
+
 def peak_host_rss() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024

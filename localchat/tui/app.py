@@ -46,12 +46,14 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 
 import engine
+from engine import hardware
 from localchat import config
 from localchat.config import Settings
 from localchat.format import human_bytes
 
 from .command_handlers import CommandHandlers
 from .commands import SlashCommandProvider, parse
+from .conversation_handlers import ConversationHandlers
 from .engine_thread import EngineThread
 from .store import ChatStore
 from .widgets import AssistantMessage, Conversation, GaugesPanel, PromptInput, Sidebar, StatusBar, UserMessage
@@ -66,7 +68,7 @@ EDITING = "editing your last prompt · Enter resends · Esc cancels"
 LoadEngine = Callable[[Settings, Callable[[str, int, int], None]], engine.Engine]
 
 
-class ChatApp(CommandHandlers, App):
+class ChatApp(CommandHandlers, ConversationHandlers, App):
     """Chat with a local model. `load_engine` runs on the engine thread; it may raise
     `engine.EngineError`, which is shown and leaves the app open. `store` saves the
     conversations (a store without a database chats in memory); `resume` is a
@@ -223,7 +225,7 @@ class ChatApp(CommandHandlers, App):
     def _start_loading(self) -> None:
         self.engine = self.chat = None
         self.load_error = None
-        self._loading = {"started": time.monotonic(), "rss": _rss(), "what": ""}
+        self._loading = {"started": time.monotonic(), "rss": hardware.host_rss(), "what": ""}
         self.status_bar.model = ""
         self.status_bar.activity = LOADING
         self._load_timer = self.set_interval(0.5, self._show_loading)
@@ -234,7 +236,7 @@ class ChatApp(CommandHandlers, App):
         if not info:
             return
         name = self.settings.model or "the demo model"
-        line = f"Loading {name}… {time.monotonic() - info['started']:.0f} s · {human_bytes(max(0, _rss() - info['rss']))} in memory"
+        line = f"Loading {name}… {time.monotonic() - info['started']:.0f} s · {human_bytes(max(0, hardware.host_rss() - info['rss']))} in memory"
         if info.get("total"):
             done, total = info["done"], info["total"]
             if total > 1 << 20:      # bytes (a file being read), not layers
@@ -275,7 +277,7 @@ class ChatApp(CommandHandlers, App):
         status.model = eng.name
         status.context_max = int(description.get("context_max") or 0)
         status.activity = ""
-        self.gauges.set_engine(description, eng.plan, _host_total())
+        self.gauges.set_engine(description, eng.plan, hardware.host_total())
 
     async def _load_failed(self, message: str) -> None:
         self._stop_loading_timer()
@@ -571,80 +573,6 @@ class ChatApp(CommandHandlers, App):
         self.sidebar.current = None
         await self.sidebar.reload()
 
-    # -- conversations (the sidebar)
-
-    async def _resume(self, which: int | str) -> None:
-        cid = self.store.last_id() if which == "last" else int(which)
-        if cid is None:
-            note = ("--continue: no saved conversation yet; this is a new one" if self.store.saving
-                    else "--continue: conversations are not being saved, so there is none to continue")
-            await self.conversation.add_notice(note)
-            return
-        if not await self.open_conversation(cid):
-            await self.conversation.add_notice(f"--cid {cid}: no such conversation (see `localchat history`); "
-                                               "this is a new one", error=True)
-
-    async def open_conversation(self, cid: int) -> bool:
-        if self.generating:
-            self.notify("Stop the answer first (Esc).", severity="warning")
-            return False
-        conv = self.store.open(cid)
-        await self.report_store_problem()
-        if conv is None:
-            return False
-        self.end_editing()
-        self.system = conv.system
-        await self.conversation.clear()
-        for m in conv.messages:
-            if m.role == "user":
-                await self.conversation.add_user(m.content)
-            elif m.role == "assistant":
-                await self.conversation.add_finished(m.content, m.finish_reason, m.error)
-        self.conversation.scroll_end(animate=False)
-        messages = conv.engine_messages()
-        if self.chat is not None:
-            self.chat.restore(messages)
-        else:
-            self._carry = messages    # the model is still loading: the chat takes them when it exists
-        self.sidebar.current = cid
-        return True
-
-    async def on_sidebar_open(self, message: Sidebar.Open) -> None:
-        if await self.open_conversation(message.cid):
-            await self.sidebar.reload()
-            self.prompt_input.focus()
-
-    async def on_sidebar_new(self, message: Sidebar.New) -> None:
-        await self.action_new()
-
-    def on_sidebar_rename(self, message: Sidebar.Rename) -> None:
-        from .screens import TextPromptScreen
-
-        async def renamed(title: str | None) -> None:
-            if title is not None and title.strip():
-                self.store.rename(message.cid, title.strip())
-                await self.report_store_problem()
-                await self.sidebar.reload()
-        self.push_screen(TextPromptScreen("New title:", self.store.title(message.cid)), renamed)
-
-    def on_sidebar_delete(self, message: Sidebar.Delete) -> None:
-        from .screens import ConfirmScreen
-        title = self.store.title(message.cid) or "this conversation"
-
-        async def answered(yes: bool | None) -> None:
-            if not yes:
-                return
-            if message.cid == self.store.cid and self.generating:
-                self.notify("Stop the answer first (Esc).", severity="warning")
-                return
-            current = message.cid == self.store.cid
-            if self.store.delete(message.cid) and current:
-                await self._clear()
-            await self.report_store_problem()
-            await self.sidebar.reload()
-        self.push_screen(ConfirmScreen(f"Delete “{title}”? Its messages are removed from the history; "
-                                       "this cannot be undone."), answered)
-
 
 def reply_text_fallback(chat: engine.Chat | None, pending: list[str]) -> str:
     """The partial answer after an unexpected failure: what the engine kept in the
@@ -652,16 +580,6 @@ def reply_text_fallback(chat: engine.Chat | None, pending: list[str]) -> str:
     if chat is not None and chat.messages and chat.messages[-1]["role"] == "assistant":
         return chat.messages[-1]["content"]
     return "".join(pending)
-
-
-def _rss() -> int:
-    import psutil
-    return psutil.Process().memory_info().rss
-
-
-def _host_total() -> int:
-    import psutil
-    return psutil.virtual_memory().total
 
 
 def run_tui(load_engine: LoadEngine, settings: Settings, data_dir: str | None = None,
