@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import engine  # noqa: E402
 from common import machine, write_json  # noqa: E402
-from engine import checkpoint, fidelity  # noqa: E402
+from engine import fidelity  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
 from engine.target.quantized import load_quantized  # noqa: E402
 from engine.target.resident import load_resident  # noqa: E402

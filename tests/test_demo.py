@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-import engine
 from engine.session import render_prompt
 
 pytestmark = pytest.mark.demo

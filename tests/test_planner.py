@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import engine
-from engine import hardware, planner, profiles
+from engine import hardware, profiles
 from engine.planner import ModelShape, make_plan
 
 QWEN3_14B = {"model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,

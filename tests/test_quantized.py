@@ -3,7 +3,6 @@ compute their format's definition, a quantized model stays close to the exact on
 speculation never changes its greedy answer, the disk cache is used only when it is
 whole and current, and quantization holds about one layer of host memory at a time."""
 import gc
-import os
 import sys
 from pathlib import Path
 

@@ -16,7 +16,6 @@ from localchat.tui.app import ChatApp  # noqa: E402
 from localchat.tui.screens import ConfirmScreen, TextPromptScreen  # noqa: E402
 from localchat.tui.store import ChatStore  # noqa: E402
 from localchat.tui.widgets import AssistantMessage, Notice, UserMessage  # noqa: E402
-from localchat.tui.widgets.sidebar import ConversationItem  # noqa: E402
 
 from tui_helpers import SIZE, answered, loaded, loader, pace, send_and_wait, type_and_send, wait_for  # noqa: E402
 

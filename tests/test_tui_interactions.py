@@ -17,7 +17,7 @@ from localchat.history import History  # noqa: E402
 from localchat.tui.app import ChatApp  # noqa: E402
 from localchat.tui.screens import SettingsScreen  # noqa: E402
 from localchat.tui.store import ChatStore  # noqa: E402
-from localchat.tui.widgets import AssistantMessage, Notice, UserMessage  # noqa: E402
+from localchat.tui.widgets import Notice, UserMessage  # noqa: E402
 from localchat.tui.widgets.assistant_message import code_blocks  # noqa: E402
 from textual.widgets.markdown import MarkdownFence  # noqa: E402
 
