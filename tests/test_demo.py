@@ -75,8 +75,11 @@ def test_cli_pipe_matches_the_engine(demo_engine):
 
 
 def test_cli_json_text_equals_streamed_text():
-    streamed = run_cli("-n", "24", "Why is the sky blue?")
-    as_json = run_cli("-n", "24", "--json", "Why is the sky blue?")
+    # Plain decoding: with a drafter the float32 verify passes round differently from single
+    # steps on MKL (see README, Exactness), and k depends on timing, so two runs could split
+    # at a near-tie; this test is about --json carrying the same text, not about drafting.
+    streamed = run_cli("-n", "24", "--drafter", "none", "Why is the sky blue?")
+    as_json = run_cli("-n", "24", "--drafter", "none", "--json", "Why is the sky blue?")
     assert streamed.returncode == as_json.returncode == 0
     record = json.loads(as_json.stdout)
     assert record["text"] + "\n" == streamed.stdout.decode()
