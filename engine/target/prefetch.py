@@ -19,10 +19,12 @@ cold read really reads the disk (mmap views would hide the cost in page faults a
 the page cache stand in for the memory budget)."""
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -213,6 +215,17 @@ class Filler:
             flat[p.start:p.start + p.numel].copy_(part, non_blocking=self.cuda)
 
 
+# Readers still running when the interpreter exits would be inside torch or a read while
+# Python tears down ("terminate called without an active exception"): stop them first.
+_LIVE: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for p in list(_LIVE):
+        p.reset()
+
+
 class Prefetcher:
     """The reader thread and its ring of slots. `take(unit)` hands the compute the slot
     holding `unit` (waiting only if the reader is behind); `give(slot)` returns it."""
@@ -227,6 +240,7 @@ class Prefetcher:
         self.cuda = filler.cuda
         self.counters = Counters()
         self._thread: threading.Thread | None = None
+        _LIVE.add(self)
         if self.cuda:
             self._stream = torch.cuda.Stream(device=filler.device)
             for s in slots:
