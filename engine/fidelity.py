@@ -95,14 +95,12 @@ def measure_formats(path, device, formats=("int8", "int4"), limit: int = 512, ca
     import json
     from pathlib import Path
 
-    from .checkpoint import default_cache_dir
-    from .target.qcache import source_identity
     from .target.quantized import load_quantized
     from .target.resident import checkpoint_dtype, load_resident
     from . import hardware
 
     path = Path(path)
-    store = Path(cache_dir or default_cache_dir()) / "fidelity" / f"{source_identity(path)[:32]}-{limit}.json"
+    store = _store(path, limit, cache_dir)
     known = cached_formats(path, limit, cache_dir)
     todo = [f for f in formats if f not in known]
     if todo:
@@ -125,12 +123,16 @@ def measure_formats(path, device, formats=("int8", "int4"), limit: int = 512, ca
 def cached_formats(path, limit: int = 512, cache_dir=None) -> dict[str, Fidelity]:
     """Figures measure_formats() stored for this checkpoint, if any (never measures)."""
     import json
+    try:
+        return {k: Fidelity(**v) for k, v in json.loads(_store(path, limit, cache_dir).read_text()).items()}
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
+def _store(path, limit: int, cache_dir=None):
+    """Where measure_formats() keeps a checkpoint's figures: keyed by its source files."""
     from pathlib import Path
 
     from .checkpoint import default_cache_dir
     from .target.qcache import source_identity
-    store = Path(cache_dir or default_cache_dir()) / "fidelity" / f"{source_identity(Path(path))[:32]}-{limit}.json"
-    try:
-        return {k: Fidelity(**v) for k, v in json.loads(store.read_text()).items()}
-    except (OSError, ValueError, TypeError):
-        return {}
+    return Path(cache_dir or default_cache_dir()) / "fidelity" / f"{source_identity(Path(path))[:32]}-{limit}.json"

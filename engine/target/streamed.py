@@ -183,17 +183,22 @@ class StreamedTarget:
                 self.embed = self.ledger.alloc(emb.numel, self.dtype, self.device)
                 self._load_into(layer_index.Unit("embed", "embed", 0, (emb,), emb.numel), self.embed)
             streamed = [u for i, u in enumerate(idx.units) if i not in self.placement.resident]
-            slots = []
-            if streamed:
-                for _ in range(self.depth):
-                    flat = self.ledger.alloc(idx.slot_numel, self.dtype, self.device)
-                    stage = (self.ledger.alloc(staging, torch.uint8, torch.device("cpu"),
-                                               pin=self.device.type == "cuda") if staging else None)
-                    slots.append(Slot(flat, stage, views=idx.layout.weights(flat)))
+            slots = self._allocate_slots(staging) if streamed else []
         finally:
             files.close()
         self.prefetcher = Prefetcher(streamed, {u.name: self.host.get(u.name) for u in streamed}, slots,
                                      self.filler, files)
+
+    def _allocate_slots(self, staging: int) -> list[Slot]:
+        """The prefetch slots, through the ledger: a device buffer for the largest unit and,
+        when pieces need converting or copying to a GPU, a host staging buffer each."""
+        slots = []
+        for _ in range(self.depth):
+            flat = self.ledger.alloc(self.index.slot_numel, self.dtype, self.device)
+            stage = (self.ledger.alloc(staging, torch.uint8, torch.device("cpu"), pin=self.device.type == "cuda")
+                     if staging else None)
+            slots.append(Slot(flat, stage, views=self.index.layout.weights(flat)))
+        return slots
 
     def _load_into(self, unit: layer_index.Unit, flat: torch.Tensor) -> None:
         """Read a unit once at load time (resident tier), through a temporary staging buffer
@@ -280,11 +285,7 @@ class StreamedTarget:
             self.resident_views.pop(name, None)
             names.append(name)
         if names and not slots:
-            for _ in range(self.depth):
-                flat = self.ledger.alloc(idx.slot_numel, self.dtype, self.device)
-                stage = (self.ledger.alloc(staging, torch.uint8, torch.device("cpu"),
-                                           pin=self.device.type == "cuda") if staging else None)
-                slots.append(Slot(flat, stage, views=idx.layout.weights(flat)))
+            slots = self._allocate_slots(staging)
         keep = {u.name for u in self.index.units if u.name in self.resident}
         demoted = set(names)
         streamed = [u for u in self.index.units if u.name not in keep]
