@@ -25,14 +25,18 @@ def decode_table(d: dict) -> str:
 
 def speculative_table(d: dict) -> str:
     drafters = [k for k in ("ngram", "model") if k in d["rows"][0]]
-    head = "| workload | kind | plain tok/s |"
-    sep = "|---|---|---|"
+    ceiling = "lookup_ceiling" in d["rows"][0]
+    head = "| workload | kind | plain tok/s |" + (" lookup ceiling: tok/pass | speed-up |" if ceiling else "")
+    sep = "|---|---|---|" + ("---|---|" if ceiling else "")
     for k in drafters:
         head += f" {k}: tok/s | speed-up | tok/pass (predicted) | acceptance | identical |"
         sep += "---|---|---|---|---|"
     lines = [head, sep]
     for r in d["rows"]:
         line = f"| {r['id']} | {r['kind']} | {r['plain_tps']:.1f} |"
+        if ceiling:
+            c = r["lookup_ceiling"]
+            line += f" {c['tokens_per_pass']:.2f} | {c['speedup']:.2f}× |"
         for k in drafters:
             x = r[k]
             line += (f" {x['tps']:.1f} | {x['speedup']:.2f}× | {x['tokens_per_pass']:.2f} "

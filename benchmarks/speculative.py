@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import engine  # noqa: E402
 from common import machine, write_json  # noqa: E402
-from localchat.bench import load_workloads, measure  # noqa: E402
+from localchat.bench import ceiling_speedup, load_workloads, lookup_ceiling, measure, pass_seconds  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +41,15 @@ def main() -> None:
     for w in workloads:
         eng.set_drafter("none")
         plain = measure(eng, w["prompt"], args.tokens, args.runs)
-        row = {"id": w["id"], "kind": w["kind"], "plain_tps": plain["decode_tps"]}
+        # What any prompt-lookup drafter could reach at best on this answer: the longest
+        # run of the answer's next tokens found earlier in the conversation, every pass.
+        rounds = lookup_ceiling(plain["context_ids"], plain["token_ids"])
+        seconds = pass_seconds(eng)
+        row = {"id": w["id"], "kind": w["kind"], "plain_tps": plain["decode_tps"],
+               "answer_tokens": len(plain["token_ids"]),
+               "pass_ms": {n: round(t * 1000, 2) for n, t in seconds.items()},
+               "lookup_ceiling": {"tokens_per_pass": len(plain["token_ids"]) / len(rounds),
+                                  "speedup": ceiling_speedup(rounds, seconds)}}
         for d in drafters:
             if d == "model" and args.drafter_weights != "exact":
                 eng.set_drafter("model", "self", dtype=args.dtype, weights=args.drafter_weights)

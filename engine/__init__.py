@@ -22,7 +22,7 @@ from .events import Done, Stats, TextDelta
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
 from .sampling import SamplingParams
 from .session import Chat
-from .speculative import DraftController
+from .speculative import DraftController, PassCosts
 from .target.resident import checkpoint_dtype, load_resident
 from .target.quantized import load_quantized
 from .target.streamed import load_streamed
@@ -60,6 +60,7 @@ class Engine:
         self.drafter = drafter or NgramDrafter()
         self.max_draft = max_draft
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
+        self.costs = PassCosts()               # measured by every chat, shared by all
 
     def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
                     cache_dir: Path | None = None, fast: bool = True, weights: str = "auto") -> None:
@@ -91,11 +92,12 @@ class Engine:
                 dtarget = load_quantized(dckpt.path, self.device, weights, cache_dir=cache_dir)
             name = dckpt.name + ("" if weights == "exact" else f" ({weights})")
             self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size)
+        self.costs.new_drafter()
 
     def new_controller(self) -> DraftController:
         if self.drafter.kind == "none":
             return DraftController(max_draft=0, fixed=0)
-        return DraftController(max_draft=self.max_draft, fixed=self.draft_tokens)
+        return DraftController(max_draft=self.max_draft, fixed=self.draft_tokens, costs=self.costs)
 
     def chat(self, system: str | None = None) -> Chat:
         return Chat(self, system)

@@ -27,6 +27,30 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+class PassCosts:
+    """What drafting and verifying cost on this machine: seconds per drafted token and of a
+    target pass over n positions (moving means). They belong to the engine, not to one
+    chat, so a new chat starts knowing them: it need not spend a probe to learn again that
+    a drafter is too slow to pay."""
+
+    def __init__(self, smoothing: float = 0.15):
+        self.alpha = smoothing
+        self.t_draft: float | None = None
+        self.t_pass: dict[int, float] = {}      # positions -> moving mean seconds
+
+    def observe(self, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
+        if drafted:
+            per = draft_seconds / drafted
+            self.t_draft = per if self.t_draft is None else self.t_draft + self.alpha * (per - self.t_draft)
+        n = drafted + 1
+        old = self.t_pass.get(n)
+        self.t_pass[n] = verify_seconds if old is None else old + self.alpha * (verify_seconds - old)
+
+    def new_drafter(self) -> None:
+        """Another drafter: its cost is unknown; the target's pass times still hold."""
+        self.t_draft = None
+
+
 class DraftController:
     """Chooses k before each round to maximise expected tokens per second:
     E[tokens](a, k) / (k * t_draft + t_verify(k + 1)), from measurements of this chat:
@@ -35,13 +59,13 @@ class DraftController:
     pay, so speculation is never slower than plain decoding beyond noise."""
 
     def __init__(self, max_draft: int = 8, fixed: int | None = None, prior_acceptance: float = 0.5,
-                 smoothing: float = 0.15, probe_every: int = 32, first_k: int = 2, margin: float = 1.03):
+                 smoothing: float = 0.15, probe_every: int = 32, first_k: int = 2, margin: float = 1.03,
+                 costs: PassCosts | None = None):
         self.max_draft = max_draft
         self.fixed = fixed
-        self.a = prior_acceptance
+        self.a = prior_acceptance               # per chat: how guessable this conversation is
         self.alpha = smoothing
-        self.t_draft: float | None = None
-        self.t_pass: dict[int, float] = {}      # positions -> moving mean seconds
+        self.costs = costs or PassCosts(smoothing)
         self.probe_every = probe_every
         self.first_k = first_k
         self.margin = margin
@@ -51,13 +75,24 @@ class DraftController:
     # -- measurements
     def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         if drafted:
-            rate = accepted / drafted
-            self.a += self.alpha * (rate - self.a)
-            per = draft_seconds / drafted
-            self.t_draft = per if self.t_draft is None else self.t_draft + self.alpha * (per - self.t_draft)
-        n = drafted + 1
-        old = self.t_pass.get(n)
-        self.t_pass[n] = verify_seconds if old is None else old + self.alpha * (verify_seconds - old)
+            self.a += self.alpha * (accepted / drafted - self.a)
+        self.costs.observe(drafted, draft_seconds, verify_seconds)
+
+    @property
+    def t_draft(self) -> float | None:
+        return self.costs.t_draft
+
+    @t_draft.setter
+    def t_draft(self, seconds: float | None) -> None:
+        self.costs.t_draft = seconds
+
+    @property
+    def t_pass(self) -> dict[int, float]:
+        return self.costs.t_pass
+
+    @t_pass.setter
+    def t_pass(self, seconds: dict[int, float]) -> None:
+        self.costs.t_pass = seconds
 
     def t_verify(self, n: int) -> float:
         """Measured pass time over n positions; unmeasured n are interpolated linearly

@@ -1,7 +1,9 @@
 """`localchat bench`: measure speculative decoding on this machine, for your model and
 your text. For each workload, plain decoding against each available drafter: decode
 tok/s, tokens per target pass, acceptance, speed-up, and whether the output was
-identical (greedy, so it must be)."""
+identical (greedy, so it must be). The `ceiling` column is the speed-up a perfect
+prompt-lookup drafter could reach on the answer the model actually gave (free drafts,
+this machine's pass times): if it is low, the text does not repeat enough to pay."""
 from __future__ import annotations
 
 import argparse
@@ -63,10 +65,67 @@ def measure(eng, prompt: str, max_tokens: int, runs: int) -> dict:
         s = chat.last_stats
         results.append({"decode_tps": s.decode_tps, "tokens_per_pass": s.tokens_per_pass,
                         "acceptance": s.acceptance, "predicted_tokens_per_pass": s.predicted_tokens_per_pass,
-                        "tokens": s.generated_tokens, "token_ids": list(chat.last_done.token_ids)})
+                        "tokens": s.generated_tokens, "token_ids": list(chat.last_done.token_ids),
+                        "context_ids": context_ids(chat)})
     best = sorted(results, key=lambda r: r["decode_tps"])[len(results) // 2]
     best["decode_tps"] = statistics.median(r["decode_tps"] for r in results)
     return best
+
+
+def context_ids(chat) -> list[int]:
+    """The tokens the answer's first pass saw: the prompt (the cache holds the prompt and
+    every generated token but the last)."""
+    held = chat.cached_ids
+    return list(held[:len(held) - max(0, len(chat.last_done.token_ids) - 1)])
+
+
+def lookup_ceiling(context: list[int], answer: list[int], max_draft: int = 8) -> list[int]:
+    """What the best possible prompt-lookup drafter could do for this answer: the tokens
+    committed by each target pass if every draft were the longest run of the answer's
+    next tokens that occurs anywhere earlier in the conversation (capped at max_draft),
+    plus the target's own token. No real drafter knows the answer, so this is an upper
+    bound: it tells a user whether a workload's text can pay for speculation at all."""
+    rounds, i = [], 0
+    while i < len(answer):
+        seen = context + answer[:i + 1]       # the pass feeds answer[i]; drafts follow it
+        want = answer[i + 1:i + 1 + max_draft]
+        best = 0
+        for start in range(len(seen) - 1):
+            n = 0
+            while n < len(want) and start + n < len(seen) - 1 and seen[start + n] == want[n]:
+                n += 1
+            best = max(best, n)
+            if best == len(want):
+                break
+        rounds.append(best + 1)
+        i += best + 1
+    return rounds
+
+
+def pass_seconds(eng, max_positions: int = 9, reps: int = 3) -> dict[int, float]:
+    """Median seconds of one target pass over n positions (n = 1..max_positions) at the
+    end of whatever the cache holds; the cache is left as it was."""
+    import time
+    target = eng.target
+    start = target.cache.length
+    tokens = [eng.tokenizer.eos_token_id or 0] * max_positions
+    out = {}
+    for n in range(1, max_positions + 1):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            target.forward(tokens[:n], all_logits=True)
+            times.append(time.perf_counter() - t0)
+            target.cache.rollback(start)
+        out[n] = statistics.median(times)
+    return out
+
+
+def ceiling_speedup(rounds: list[int], seconds: dict[int, float]) -> float:
+    """The speed-up those ceiling rounds would give, drafting for free, at these pass times."""
+    if not rounds:
+        return 1.0
+    return sum(rounds) * seconds[1] / sum(seconds[min(n, max(seconds))] for n in rounds)
 
 
 def bench_main(argv: list[str]) -> int:
@@ -94,7 +153,7 @@ def bench_main(argv: list[str]) -> int:
     rows = []
     print(f"{eng.name} · {eng.describe()['dtype']} · {eng.device} · {args.max_tokens} tokens, greedy, "
           f"median of {args.runs}", file=sys.stderr)
-    header = f"{'workload':<18} {'kind':<6} {'plain tok/s':>11}"
+    header = f"{'workload':<18} {'kind':<6} {'plain tok/s':>11} {'ceiling':>7}"
     for d in drafters:
         header += f" │ {d + ' tok/s':>12} {'speed-up':>8} {'tok/pass':>8} {'accept':>6} {'same':>4}"
     print(header)
@@ -102,8 +161,12 @@ def bench_main(argv: list[str]) -> int:
         for w in workloads:
             eng.set_drafter("none")
             plain = measure(eng, w["prompt"], args.max_tokens, args.runs)
-            row = {"id": w["id"], "kind": w["kind"], "plain": _public(plain)}
-            line = f"{w['id'][:18]:<18} {w['kind'][:6]:<6} {plain['decode_tps']:>11.1f}"
+            rounds = lookup_ceiling(plain["context_ids"], plain["token_ids"])
+            ceiling = ceiling_speedup(rounds, pass_seconds(eng))
+            row = {"id": w["id"], "kind": w["kind"], "plain": _public(plain),
+                   "lookup_ceiling": {"tokens_per_pass": len(plain["token_ids"]) / len(rounds),
+                                      "speedup": ceiling}}
+            line = f"{w['id'][:18]:<18} {w['kind'][:6]:<6} {plain['decode_tps']:>11.1f} {ceiling:>6.2f}×"
             for d in drafters:
                 eng.set_drafter(d, settings.draft_model, dtype=settings.dtype)
                 r = measure(eng, w["prompt"], args.max_tokens, args.runs)
@@ -129,4 +192,4 @@ def bench_main(argv: list[str]) -> int:
 
 
 def _public(r: dict) -> dict:
-    return {k: v for k, v in r.items() if k != "token_ids"}
+    return {k: v for k, v in r.items() if k not in ("token_ids", "context_ids")}

@@ -122,6 +122,8 @@ def test_bench_measures_each_workload_and_writes_json(tmp_path, tiny_llama):
     for r in data["workloads"]:
         assert r["ngram"]["identical"] is True
         assert r["plain"]["decode_tps"] > 0 and r["ngram"]["tokens_per_pass"] >= 1.0
+        assert r["lookup_ceiling"]["tokens_per_pass"] >= 1.0 and r["lookup_ceiling"]["speedup"] > 0
+    assert "ceiling" in table
 
 
 def test_bench_bad_workloads_file(tmp_path):

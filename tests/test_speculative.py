@@ -226,3 +226,34 @@ def test_controller_does_not_probe_a_drafter_as_slow_as_the_target():
     c.t_pass = {n: 0.01 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}
     c.t_draft = 0.01                      # a draft step costs a whole target pass
     assert [c.choose() for _ in range(12)] == [0] * 12
+
+
+def test_lookup_ceiling_takes_the_longest_earlier_run():
+    from localchat.bench import ceiling_speedup, lookup_ceiling
+    context = [1, 2, 3, 4, 5, 9, 2, 3]
+    # The pass that feeds 7 can draft 2,3,4,5 (found earlier), so it ends with the
+    # target's own 8: 5 tokens; the last token 8 counts as one more.
+    assert lookup_ceiling(context, [7, 2, 3, 4, 5, 8]) == [5, 1]
+    assert lookup_ceiling(context, [7, 2, 3, 4, 5, 8], max_draft=2) == [3, 2, 1]
+    # Nothing repeats: one token per pass, the ceiling is plain decoding.
+    rounds = lookup_ceiling([1, 2], [3, 4, 5])
+    assert rounds == [1, 1, 1]
+    assert ceiling_speedup(rounds, {1: 0.1, 2: 0.11}) == pytest.approx(1.0)
+    # 5 tokens in 2 passes of 1 and 4 positions, a 4-position pass costing 1.5 steps.
+    assert ceiling_speedup([1, 4], {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.5}) == pytest.approx(5 / 2.5)
+
+
+def test_a_new_chat_knows_the_drafters_cost_and_does_not_probe_again(tiny_llama):
+    # The tiny model drafting for itself: a draft step costs a whole target pass, so once
+    # measured, no chat of this engine should spend passes drafting with it again.
+    eng = engine.open(str(tiny_llama), drafter="model", draft_model=str(tiny_llama), dtype="float32")
+    first = eng.chat()
+    list(first.send("the cat sat on the mat", max_new_tokens=40))
+    assert first.last_stats.drafted_tokens > 0                     # the first chat probes to measure
+    assert eng.costs.t_draft is not None
+    eng.costs.t_draft = 10 * eng.costs.t_pass[1]            # as if drafting were plainly too slow
+    second = eng.chat()
+    list(second.send("the cat sat on the mat", max_new_tokens=40))
+    assert second.last_stats.drafted_tokens == 0
+    eng.set_drafter("ngram")                                # another drafter: its cost is unknown
+    assert eng.costs.t_draft is None and eng.costs.t_pass
