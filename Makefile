@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/quantized.py
 	$(BIN)/python benchmarks/fidelity.py
 	$(BIN)/python benchmarks/tui_latency.py
+	$(BIN)/python benchmarks/compile_probe.py
 	$(BIN)/python benchmarks/report.py
 
 clean:

@@ -66,7 +66,7 @@ def can_run(model) -> str | None:
 def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes. A weight
     that is not a plain tensor (a packed int8/int4 one, target/quantized.py) brings its own kernel."""
-    if type(w_t) is torch.Tensor:
+    if isinstance(w_t, torch.Tensor):
         return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
     return w_t.mm(x, bias)
 
