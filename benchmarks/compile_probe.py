@@ -22,7 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-probe-")   # cold: before inductor loads
+if "--cache-dir" in sys.argv:     # warm runs: reuse a directory; default cold: a fresh one
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = sys.argv[sys.argv.index("--cache-dir") + 1]
+else:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-probe-")
 
 import torch  # noqa: E402
 
@@ -46,6 +49,8 @@ def main() -> None:
     ap.add_argument("--mode", default="max-autotune-no-cudagraphs")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (one graph for every position)")
+    ap.add_argument("--cache-dir", help="inductor's cache directory (default: a fresh one, so compile times are cold)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "compile_probe.json"))
     args = ap.parse_args()
 
@@ -59,12 +64,13 @@ def main() -> None:
     def step(ids, pos: int):
         return impl(ids, pos, False)
 
-    compiled = torch.compile(step, mode=args.mode, fullgraph=True)
+    compiled = torch.compile(step, mode=args.mode, fullgraph=True, dynamic=True if args.dynamic else None)
     chat = eng.chat()
     list(chat.send("Write a short story about a lighthouse keeper.", max_new_tokens=8))
     pos = target.cache.length
     ids = torch.tensor([42])
     out: dict = {"benchmark": "compile_probe", "model": eng.name, "dtype": args.dtype, "mode": args.mode,
+                 "dynamic": args.dynamic, "warm_cache": bool(args.cache_dir),
                  "machine": machine()}
     with torch.inference_mode():
         t = time.perf_counter()

@@ -23,7 +23,8 @@ from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
 from .sampling import SamplingParams
 from .session import Chat
 from .speculative import DraftController, PassCosts
-from .target.resident import checkpoint_dtype, load_resident
+from . import compiled
+from .target.resident import ResidentTarget, checkpoint_dtype, load_resident
 from .target.quantized import load_quantized
 from .target.streamed import load_streamed
 
@@ -61,6 +62,7 @@ class Engine:
         self.max_draft = max_draft
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
         self.costs = PassCosts()               # measured by every chat, shared by all
+        self.compile_note = ""
 
     def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
                     cache_dir: Path | None = None, fast: bool = True, weights: str = "auto") -> None:
@@ -94,6 +96,20 @@ class Engine:
             self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size)
         self.costs.new_drafter()
 
+    def start_compile(self, cache_dir: Path | None = None) -> bool:
+        """Compile the target's decode step in the background (engine/compiled.py). Only a
+        resident target with exact weights and the fast forward can: quantized and
+        streamed targets decode eagerly (`compile_note` says why)."""
+        t = self.target
+        if type(t) is not ResidentTarget or t.kind != "fast":
+            self.compile_note = f"the {_weights_label(t)} {t.kind} target decodes eagerly"
+            return False
+        if t.compiled is None:
+            key = compiled.cache_key(self.name, self.dtype, "exact", self.device)
+            t.compiled = compiled.CompiledStep(t, cache_dir or _checkpoint.default_cache_dir(), key)
+            t.compiled.start()
+        return True
+
     def new_controller(self) -> DraftController:
         if self.drafter.kind == "none":
             return DraftController(max_draft=0, fixed=0)
@@ -126,7 +142,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
          draft_model: str | None = None, max_draft: int | None = None, draft_tokens: int | None = None,
          memory_budget: str | int | None = None, host_memory: str | int | None = None,
          profile: str | None = None, context: int | None = None, progress=None,
-         drafter_weights: str = "auto", profile_dir: str | Path | None = None) -> Engine:
+         drafter_weights: str = "auto", profile_dir: str | Path | None = None, compile: str = "off") -> Engine:
     """Load a model: None for the demo model, a local directory, a .gguf file or a hub repo id.
 
     drafter: auto (a model drafter if `draft_model` is given, else n-gram) | ngram | model | none.
@@ -138,7 +154,12 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     profile: None/"auto" picks the best that fits (resident-exact > resident-int8 >
     resident-int4 > streamed-exact), or a profile's name forces it. context: the longest conversation to plan memory for.
     The memory plan is made before any weight is read (`eng.plan`); a model that fits no
-    profile is refused with the figures, instead of exhausting memory."""
+    profile is refused with the figures, instead of exhausting memory.
+    compile: off | on | auto — build the compiled decode step in the background (engine/compiled.py)
+    and switch to it when ready; auto and on do so for a resident exact target (the others
+    decode eagerly), on also says why not in `eng.compile_note`."""
+    if compile not in ("off", "on", "auto"):
+        raise BadRequest(f"--compile {compile}: choose auto, on or off")
     _check_drafter(drafter, draft_model, drafter_weights)      # before loading anything: fail fast
     if draft_tokens is not None and not 0 <= draft_tokens <= 64:
         raise BadRequest(f"--draft-tokens {draft_tokens}: must be between 0 and 64")
@@ -179,6 +200,8 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
                  draft_tokens=draft_tokens)
     eng.plan = plan
     eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast, weights=drafter_weights)
+    if compile != "off":
+        eng.start_compile(cache_dir)
     return eng
 
 

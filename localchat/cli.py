@@ -30,6 +30,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens of conversation to plan memory for (default: 4096 when streaming)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
+    p.add_argument("--compile", choices=["auto", "on", "off"],
+                   help="compile the decode step in the background and switch to it when ready (resident exact "
+                        "weights); auto (default) = in the chat UI, where a session lasts long enough to gain")
     spec = p.add_argument_group("speculative decoding (never changes the answer)")
     spec.add_argument("--drafter", choices=["auto", "ngram", "model", "none"],
                       help="who proposes tokens: ngram (prompt lookup, free), model (--draft-model), none; "
@@ -99,6 +102,8 @@ def check_flags(s: config_mod.Settings) -> str | None:
         return f"--draft-tokens {s.draft_tokens}: must be between 0 and 64"
     if s.context is not None and s.context < 16:
         return f"--context {s.context}: must be at least 16 tokens"
+    if s.compile not in ("auto", "on", "off"):
+        return f"compile = {s.compile!r}: choose auto, on or off"
     if s.drafter == "model" and not s.draft_model:
         return "--drafter model needs --draft-model PATH_OR_REPO"
     return None
@@ -164,23 +169,47 @@ def main(argv: list[str] | None = None) -> int:
             if args.no_log and (args.resume_last or args.cid):
                 error("--no-log starts an unsaved chat; it cannot resume one (drop --continue/--cid)")
                 return EXIT_USAGE
-            return run_tui(open_engine, settings, data_dir=args.data_dir,
-                           resume="last" if args.resume_last else args.cid, save=not args.no_log)
+            mode = compile_mode(settings, interactive=True)
+            return _leave(run_tui(lambda s, progress=None: open_engine(s, progress, compile=mode), settings,
+                                  data_dir=args.data_dir, resume="last" if args.resume_last else args.cid,
+                                  save=not args.no_log))
         from .oneshot import run_oneshot
-        return run_oneshot(args, settings)
+        return _leave(run_oneshot(args, settings))
     except KeyboardInterrupt:
         print(file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _leave(EXIT_INTERRUPTED)
 
 
-def open_engine(settings: config_mod.Settings, progress=None):
+def compile_mode(settings: config_mod.Settings, interactive: bool) -> str:
+    """--compile auto compiles for the chat UI, whose sessions last long enough to gain
+    from it; a one-shot answer or a bench run does not spend minutes of CPU on a compile
+    it would not live to use (unless asked with --compile on)."""
+    if settings.compile == "auto":
+        return "auto" if interactive else "off"
+    return settings.compile
+
+
+def _leave(code: int) -> int:
+    """Exit code passthrough, except while a background compile still runs: then flush and
+    leave at once (engine.compiled.busy says why)."""
+    import engine.compiled
+    if engine.compiled.busy():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def open_engine(settings: config_mod.Settings, progress=None, compile: str = "off"):
     """The engine for these settings; `progress(what, done, total)` hears about loading
-    where the engine reports it (streamed layers)."""
+    where the engine reports it (streamed layers). compile: what `--compile` resolves to
+    for this kind of run (the chat UI compiles on auto; a one-shot answer does not wait)."""
     import engine
     return engine.open(settings.model, device=settings.device, dtype=settings.dtype, drafter=settings.drafter,
                        draft_model=settings.draft_model, draft_tokens=settings.draft_tokens,
+                       drafter_weights=settings.drafter_weights, profile_dir=config_mod.config_dir() / "profiles",
                        memory_budget=settings.vram, host_memory=settings.ram, profile=settings.profile,
-                       context=settings.context, progress=progress)
+                       context=settings.context, progress=progress, compile=compile)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class Settings:
     draft_model: str | None = None    # the drafter checkpoint for drafter = model (or auto)
     draft_tokens: int | None = None   # a fixed draft length; None = adaptive
     drafter_weights: str = "auto"     # exact | int8 | int4 | auto (int4 for draft_model = "self")
+    compile: str = "auto"             # auto (chat UI) | on | off: the compiled decode step
     theme: str = "textual-dark"
 
 

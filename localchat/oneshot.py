@@ -6,7 +6,7 @@ import json
 import sys
 
 from .format import human_bytes
-from .cli import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error, open_engine
+from .cli import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, compile_mode, error, open_engine
 
 
 def read_prompt(args_prompt: list[str], stdin=None) -> tuple[str, bool]:
@@ -38,6 +38,8 @@ def format_stats(s) -> str:
         line += (f" · streamed {human_bytes(s.streamed_bytes)} at {s.stream_gbps:.1f} GB/s, "
                  f"{s.stream_hidden:.0%} hidden · pass {s.pass_seconds * 1e3:.0f} ms "
                  f"(transfer bound {s.bound_pass_seconds * 1e3:.0f} ms)")
+    if s.compile_state in ("compiling", "ready"):
+        line += " · compiled step" if s.compile_state == "ready" else " · compiling in the background"
     return line + f" · peak memory {human_bytes(peak)}"
 
 
@@ -92,7 +94,7 @@ def run_oneshot(args, settings) -> int:
         error("the prompt is empty: pass a question as arguments or on stdin (or run `localchat` in a terminal for the chat UI)")
         return EXIT_USAGE
     try:
-        eng = open_engine(settings)
+        eng = open_engine(settings, compile=compile_mode(settings, interactive=False))
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE

@@ -167,3 +167,22 @@ def test_a_model_larger_than_the_budget_streams_and_says_so(tiny_llama):
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr.decode()
     assert "streamed" in err and "GB/s" in err, err
+
+
+def test_one_shot_with_compile_on_answers_without_waiting_for_the_compile(tiny_llama, tmp_path):
+    # The answer is printed from the eager step while the compile runs in the background;
+    # the process then leaves at once (os._exit after flushing) instead of waiting for it.
+    proc = run_cli("--model", str(tiny_llama), "-n", "8", "--compile", "on", "--stats", "the cat",
+                   extra_env={"LOCALCHAT_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    err = proc.stderr.decode()
+    assert "compiling in the background" in err and "Traceback" not in err
+
+
+def test_compile_flag_and_setting_are_checked(tiny_llama):
+    proc = run_cli("--compile", "sometimes", "hi")
+    assert proc.returncode == 2 and b"--compile" in proc.stderr
+    proc = run_cli("--model", str(tiny_llama), "-n", "2", "hi", extra_env={"LOCALCHAT_COMPILE": "maybe"})
+    assert proc.returncode == 2
+    one_line_error(proc, "compile", "auto, on or off")

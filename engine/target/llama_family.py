@@ -86,6 +86,7 @@ class LlamaFamilyForward:
         self.cache = cache
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
+        self.gqa = bool(self.heads != self.kv_heads)   # a plain bool: a compiled step must not see it symbolic
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
@@ -166,7 +167,7 @@ class LlamaFamilyForward:
         exactly the call a one-token step makes. The masked multi-row kernel rounds
         differently, and a verified token must get the logits plain decoding gives it."""
         rows = [F.scaled_dot_product_attention(q[:, :, r:r + 1], keys[:, :, :pos + r + 1], values[:, :, :pos + r + 1],
-                                               scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
+                                               scale=self.scaling, enable_gqa=self.gqa)
                 for r in range(q.shape[2])]
         return torch.cat(rows, 2)
 
@@ -225,7 +226,7 @@ class LlamaFamilyForward:
             o = self._attend_rowwise(qk[None, :H], keys, values, pos)
         else:
             o = F.scaled_dot_product_attention(qk[None, :H], keys, values, attn_mask=mask, is_causal=causal,
-                                               scale=self.scaling, enable_gqa=H != KV)
+                                               scale=self.scaling, enable_gqa=self.gqa)
         h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias)
         gu = _linear(self._rms(h, w.ln2), w.gate_up)
         return h + _linear(F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down)

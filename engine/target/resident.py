@@ -22,6 +22,7 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
 
 
 class ResidentTarget:
+    compiled = None              # an engine.compiled.CompiledStep once one is started
     def __init__(self, model, device: torch.device, dtype: torch.dtype, fast: bool = True,
                  cache_capacity: int = 1024):
         self._setup(model.config, device, dtype, cache_capacity)
@@ -54,7 +55,11 @@ class ResidentTarget:
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(-1)
         pos = self.cache.length
         self.cache.reserve(ids.numel())
-        logits = self.impl(ids, pos, all_logits)
+        logits = None
+        if ids.numel() == 1 and self.compiled is not None:
+            logits = self.compiled(ids, pos)          # None until it is ready (or if it gave up)
+        if logits is None:
+            logits = self.impl(ids, pos, all_logits)
         self.cache.length = pos + ids.numel()
         return logits
 

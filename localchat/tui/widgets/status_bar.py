@@ -33,6 +33,7 @@ class StatusBar(Widget):
     activity: reactive[str] = reactive("")
     stats: reactive[Stats | None] = reactive(None)
     context_max: reactive[int] = reactive(0)
+    compile: reactive[str] = reactive("off")     # the compiled decode step: off | compiling | ready | failed
 
     def render(self) -> Text:
         line = Text(no_wrap=True, overflow="ellipsis")
@@ -46,6 +47,10 @@ class StatusBar(Widget):
             return line
         s = self.stats or Stats(context_max=self.context_max)
         fields = [f"prefill {rate(s.prefill_tps)} · decode {rate(s.decode_tps)} tok/s"]
+        if self.compile == "compiling":
+            fields.append("compiling…")          # decoding eagerly meanwhile; the speed changes when it lands
+        elif self.compile == "ready":
+            fields[0] += " (compiled)"
         if s.drafted_tokens:
             # Speculative decoding at work: tokens each target pass adds, how many drafts
             # the target kept, and the draft length chosen for the last round.

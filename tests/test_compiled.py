@@ -1,0 +1,103 @@
+"""The compiled decode step (engine/compiled.py): built in the background on a tiny model
+through the real torch.compile path (inductor, max-autotune, freezing; ~15-40 s on two
+cores, once per session: the cache dir is shared), then used between tokens without
+changing a token; failures fall back to eager decoding."""
+import pytest
+import torch
+
+import engine
+from engine import compiled
+
+PROMPT = "the cat sat on the mat and the dog"
+
+
+def answer(eng, n=40):
+    chat = eng.chat()
+    list(chat.send(PROMPT, max_new_tokens=n))
+    return chat.last_done.token_ids, chat.last_stats
+
+
+@pytest.fixture(scope="module")
+def eager_ids(tiny_llama):
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
+    return answer(eng)[0]
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(tiny_llama, compile_cache):
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", compile="on", cache_dir=compile_cache)
+    step = eng.target.compiled
+    assert step is not None and step.state in ("compiling", "ready")
+    assert step.wait(900), step.error
+    return eng
+
+
+def test_compiled_step_gives_the_eager_tokens(compiled_engine, eager_ids):
+    ids, stats = answer(compiled_engine)
+    assert compiled_engine.target.compiled.state == "ready"
+    assert stats.compile_state == "ready"
+    assert ids == eager_ids
+    # The compiled logits are the eager ones up to float32 rounding (other kernels, same sums).
+    t = compiled_engine.target
+    t.cache.rollback(0)
+    t.forward([3, 4, 5])
+    with torch.inference_mode():
+        ids1 = torch.tensor([6])
+        fast = t.compiled(ids1, t.cache.length)
+        slow = t.impl(ids1, t.cache.length, False)
+    assert torch.allclose(fast, slow, atol=1e-4, rtol=1e-4)
+
+
+def test_switch_mid_answer_keeps_the_text(tiny_llama, compile_cache, eager_ids):
+    # A second engine compiles again (from the warm cache); the answer starts eagerly and
+    # is paused until the compiled step is ready, so its rest runs compiled.
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", compile="on", cache_dir=compile_cache)
+    step = eng.target.compiled
+    chat = eng.chat()
+    events = chat.send(PROMPT, max_new_tokens=40)
+    first = next(events)
+    assert step.state == "compiling"      # the first token came from the eager step
+    assert step.wait(900), step.error
+    list(events)
+    assert first is not None and chat.last_done.token_ids == eager_ids
+    assert chat.last_stats.compile_state == "ready"
+
+
+def test_a_step_that_would_recompile_falls_back_to_eager(compiled_engine, eager_ids):
+    step = compiled_engine.target.compiled
+
+    def would_recompile(*args):
+        raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
+    good = step._fn
+    step._fn = would_recompile
+    try:
+        ids, stats = answer(compiled_engine)
+        assert ids == eager_ids
+        assert step.state == "failed" and "would recompile" in step.error
+        assert stats.compile_state == "failed"
+    finally:
+        step._fn, step.state, step.error = good, "ready", ""
+
+
+def test_a_failed_compile_leaves_eager_decoding(tiny_llama, tmp_path, eager_ids):
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
+    eng.target.compiled = compiled.CompiledStep(eng.target, tmp_path, "bad", mode="no-such-mode")
+    eng.target.compiled.start()
+    assert not eng.target.compiled.wait(60)
+    assert eng.target.compiled.state == "failed" and eng.target.compiled.error
+    assert answer(eng)[0] == eager_ids
+
+
+def test_only_resident_exact_targets_compile(tiny_llama):
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", profile="resident-int8")
+    assert eng.start_compile() is False and "int8" in eng.compile_note
+    assert eng.target.compiled is None
+    with pytest.raises(engine.BadRequest, match="--compile"):
+        engine.open(str(tiny_llama), compile="sometimes")
+
+
+def test_cache_key_separates_what_a_graph_is_valid_for():
+    a = compiled.cache_key("m", torch.float32, "exact", torch.device("cpu"))
+    assert a == compiled.cache_key("m", torch.float32, "exact", torch.device("cpu"))
+    assert a != compiled.cache_key("m", torch.bfloat16, "exact", torch.device("cpu"))
+    assert a != compiled.cache_key("other", torch.float32, "exact", torch.device("cpu"))
