@@ -50,12 +50,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (one graph for every position)")
+    ap.add_argument("--no-prepack", action="store_true",
+                    help="inductor.cpp.weight_prepack = False (what the engine uses: its graphs can be cached)")
     ap.add_argument("--cache-dir", help="inductor's cache directory (default: a fresh one, so compile times are cold)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "compile_probe.json"))
     args = ap.parse_args()
 
     import torch._inductor.config as inductor_config
     inductor_config.freezing = True
+    inductor_config.cpp.weight_prepack = not args.no_prepack
     eng = engine.open(dtype=args.dtype, drafter="none")
     target = eng.target
     impl = target.impl
@@ -70,7 +73,7 @@ def main() -> None:
     pos = target.cache.length
     ids = torch.tensor([42])
     out: dict = {"benchmark": "compile_probe", "model": eng.name, "dtype": args.dtype, "mode": args.mode,
-                 "dynamic": args.dynamic, "warm_cache": bool(args.cache_dir),
+                 "dynamic": args.dynamic, "warm_cache": bool(args.cache_dir), "weight_prepack": not args.no_prepack,
                  "machine": machine()}
     with torch.inference_mode():
         t = time.perf_counter()

@@ -15,7 +15,8 @@ cache's capacity and the rotary table are marked dynamic, so a conversation that
 outgrows them does not recompile.
 
 Inductor's caches go to a directory per model, dtype, weight format, torch version and
-device under the user cache dir, so the next start finds them. After the switch the
+device under the user cache dir, so the next start finds what can be reused (autotuning
+results, and dynamo's record of which sizes are dynamic). After the switch the
 step runs with the compiler's `fail_on_recompile` stance: a call whose guards would fail
 (something unforeseen changed) falls back to the eager step for good instead of
 compiling on the user's time. Verify passes (several positions) stay eager.
@@ -119,7 +120,12 @@ class CompiledStep:
         try:
             import torch._inductor.config as inductor_config
             inductor_config.freezing = True
-            inductor_config.cpp.weight_prepack = False
+            # Prepacked weights (mkldnn) make inductor's FX graph cache skip the graph
+            # ("mkldnn tensors unpickleable"), so every start compiles in full; without
+            # them a warm start reuses the generated code. Measured on the demo model, same
+            # run: 1.34x eager with prepacking, 1.20x without. The compile runs in the
+            # background either way, so the faster steady state wins.
+            inductor_config.cpp.weight_prepack = True
             if self.cache_dir is not None and not _USER_CACHE_DIR:
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
