@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-step row (it compiles for minutes)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -96,15 +97,32 @@ def main() -> None:
         generic.stop_ids = frozenset()
         ids = torch.tensor([render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])])
         ref = AutoModelForCausalLM.from_pretrained(eng.checkpoint.path, dtype=eng.dtype).eval()
-        m = interleaved(args.runs, {
+        contenders = {
             "generate": lambda: generate_once(ref, ids, args.tokens),
             "ours": lambda: ours_once(eng, args.tokens),
             "generic": lambda: ours_once(generic, args.tokens),
-        })
-        del ref, generic
+        }
+        comp = None
+        if not args.no_compile:
+            # The engine's compiled decode step (engine/compiled.py), waited for here; in
+            # the chat it lands in the background while the first answers run eagerly.
+            comp = engine.open(dtype=dtype, drafter="none", compile="on")
+            comp.stop_ids = frozenset()
+            comp.target.compiled.wait()
+            contenders["compiled"] = lambda: ours_once(comp, args.tokens)
+        m = interleaved(args.runs, contenders)
+        ref = generic = contenders = None     # free their weights before the next dtype
         row = {"dtype": dtype, "generate_tps": m["generate"], "ours_tps": m["ours"],
                "ours_generic_forward_tps": m["generic"], "speedup_vs_generate": m["ours"] / m["generate"],
                "generic_speedup_vs_generate": m["generic"] / m["generate"]}
+        if comp is not None:
+            step = comp.target.compiled
+            row.update(compiled_state=step.state, compile_seconds=step.seconds, compile_mode=step.mode,
+                       compile_error=step.error,
+                       compiled_tps=m.get("compiled", 0.0),
+                       compiled_speedup_vs_eager=m.get("compiled", 0.0) / m["ours"],
+                       compiled_speedup_vs_generate=m.get("compiled", 0.0) / m["generate"])
+        comp = None
         if dtype == "float32":
             row["ttft"] = ttft_turns(eng, max(1, args.runs // 2))
         result["rows"].append(row)

@@ -8,12 +8,20 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def decode_table(d: dict) -> str:
-    lines = ["| dtype | `generate()` tok/s | localchat tok/s | speed-up | generic forward tok/s |",
-             "|---|---|---|---|---|"]
+    comp = any("compiled_tps" in r for r in d["rows"])
+    lines = ["| dtype | `generate()` tok/s | localchat tok/s | speed-up | generic forward tok/s |"
+             + (" compiled step tok/s | vs eager | vs `generate()` | compile s |" if comp else ""),
+             "|---|---|---|---|---|" + ("---|---|---|---|" if comp else "")]
     for r in d["rows"]:
-        lines.append(f"| {r['dtype']} | {r['generate_tps']:.1f} | **{r['ours_tps']:.1f}** | "
-                     f"**{r['speedup_vs_generate']:.2f}×** | {r['ours_generic_forward_tps']:.1f} "
-                     f"({r['generic_speedup_vs_generate']:.2f}×) |")
+        line = (f"| {r['dtype']} | {r['generate_tps']:.1f} | **{r['ours_tps']:.1f}** | "
+                f"**{r['speedup_vs_generate']:.2f}×** | {r['ours_generic_forward_tps']:.1f} "
+                f"({r['generic_speedup_vs_generate']:.2f}×) |")
+        if "compiled_tps" in r:
+            line += (f" **{r['compiled_tps']:.1f}** | {r['compiled_speedup_vs_eager']:.2f}× | "
+                     f"{r['compiled_speedup_vs_generate']:.2f}× | {r['compile_seconds']:.0f} |")
+        elif comp:
+            line += " – | – | – | – |"
+        lines.append(line)
     ttft = next((r["ttft"] for r in d["rows"] if "ttft" in r), None)
     if ttft:
         lines.append("")

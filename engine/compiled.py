@@ -129,20 +129,33 @@ class CompiledStep:
             if self.cache_dir is not None and not _USER_CACHE_DIR:
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
-            fn = torch.compile(_step, mode=self.mode, fullgraph=True)
-            scratch = self._scratch()
-            with torch.inference_mode():
-                # Made inside inference mode, as the target's forward makes its ids: the
-                # guards check the tensor's dispatch keys.
-                ids = torch.zeros(1, dtype=torch.long, device=self.target.device)
-                fn(scratch, ids, 1)          # the first graph, at one position
-                fn(scratch, ids, 2)          # then the one with the position symbolic
-            self._fn = fn
+            # max-autotune fails in inductor on some graphs (bf16 here: "AssertionError:
+            # buf17"); the default mode still fuses the step, so it is the fallback.
+            modes = [self.mode] + (["default"] if self.mode != "default" else [])
+            for i, mode in enumerate(modes):
+                try:
+                    self._fn = self._build(mode)
+                    self.mode = mode
+                    break
+                except Exception:
+                    if i == len(modes) - 1:
+                        raise
             self.seconds = time.perf_counter() - t0
             self.state = "ready"
         except Exception as exc:             # a compiler failure must never end the chat
             self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             self.state = "failed"
+
+    def _build(self, mode: str):
+        fn = torch.compile(_step, mode=mode, fullgraph=True)
+        scratch = self._scratch()
+        with torch.inference_mode():
+            # Made inside inference mode, as the target's forward makes its ids: the
+            # guards check the tensor's dispatch keys.
+            ids = torch.zeros(1, dtype=torch.long, device=self.target.device)
+            fn(scratch, ids, 1)          # the first graph, at one position
+            fn(scratch, ids, 2)          # then the one with the position symbolic
+        return fn
 
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor | None:
         """The compiled step's logits, or None when the caller must run the eager step."""
