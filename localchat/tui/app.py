@@ -278,15 +278,7 @@ class ChatApp(CommandHandlers, ConversationHandlers, App):
         status.context_max = int(description.get("context_max") or 0)
         status.activity = ""
         self.gauges.set_engine(description, eng.plan, hardware.host_total())
-        self._watch_compile()
-
-    def _watch_compile(self) -> None:
-        """Show the background compile's state, polled until it ends (it lands between
-        answers as often as during one)."""
-        step = getattr(self.engine.target, "compiled", None) if self.engine else None
-        self.status_bar.compile = step.state if step is not None else "off"
-        if step is not None and step.state == "compiling":
-            self.set_timer(1.0, self._watch_compile)
+        status.follow_compile(getattr(eng.target, "compiled", None))
 
     async def _load_failed(self, message: str) -> None:
         self._stop_loading_timer()

@@ -68,6 +68,13 @@ class StatusBar(Widget):
             line.append(field)
         return line
 
+    def follow_compile(self, step) -> None:
+        """Show a background compile's state (engine.compiled.CompiledStep, or None), polled
+        until it ends: it lands between answers as often as during one."""
+        self.compile = step.state if step is not None else "off"
+        if step is not None and step.state == "compiling":
+            self.set_timer(1.0, lambda: self.follow_compile(step))
+
     @property
     def text(self) -> str:
         """The line as plain text (what tests and screen readers look at)."""
