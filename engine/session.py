@@ -123,6 +123,9 @@ class Chat:
         generated: list[int] = []
         reason, error = "length", ""
         tracker = None
+        compiling = getattr(target, "compiled", None)
+        if compiling is not None:
+            compiling.pause()          # a running compile would starve this answer of the GIL
         try:
             prompt, prompt_text = self._prompt()
             eng.claim_cache(self)
@@ -162,6 +165,8 @@ class Chat:
             reason = "cancelled"
             raise
         finally:
+            if compiling is not None:
+                compiling.resume()
             tail = detok.flush()
             if tail:
                 answer["content"] += tail
