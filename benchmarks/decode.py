@@ -1,8 +1,11 @@
 """Decode speed on the demo model: our engine against Hugging Face generate(), same
 weights, same dtype, same threads, same run; plus time to first token on turn 1 and
-turn 5 of a chat. Writes JSON (median of --runs runs).
+turn 5 of a chat. Rows per dtype for the exact weights (eager, and the compiled step),
+and per quantized format (int8, int4 g32; bf16 activations where native), eager and
+compiled, against float32 generate() in the same run. Writes JSON (median of --runs runs).
 
     python benchmarks/decode.py [--runs 5] [--tokens 128] [--dtypes float32,bfloat16]
+                                [--formats int8,int4] [--no-compile]
 """
 from __future__ import annotations
 
@@ -83,14 +86,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-step row (it compiles for minutes)")
+    ap.add_argument("--formats", default="int8,int4",
+                    help="quantized formats to measure ('' for none): eager and compiled, against float32 generate()")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-step rows (each compiles for minutes)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     result = {"benchmark": "decode", "model": "SmolLM2-135M-Instruct (demo)", "tokens": args.tokens,
               "runs": args.runs, "machine": machine(), "rows": []}
-    for dtype in args.dtypes.split(","):
+    for dtype in [d for d in args.dtypes.split(",") if d]:
         eng = engine.open(dtype=dtype, drafter="none")     # plain decoding: the speculative rows are elsewhere
         eng.stop_ids = frozenset()                          # always decode the full length
         generic = engine.open(dtype=dtype, fast=False, drafter="none")
@@ -127,7 +132,42 @@ def main() -> None:
             row["ttft"] = ttft_turns(eng, max(1, args.runs // 2))
         result["rows"].append(row)
         print(row, flush=True)
+    for fmt in [f for f in args.formats.split(",") if f]:
+        row = quantized_row(fmt, args)
+        result["rows"].append(row)
+        print(row, flush=True)
     print("wrote", write_json(args.out, result))
+
+
+def quantized_row(fmt: str, args) -> dict:
+    """A quantized target (bf16 activations where native), eager and compiled, against
+    float32 generate() in the same interleaved run."""
+    from transformers import AutoModelForCausalLM
+    eng = engine.open(profile=f"resident-{fmt}", drafter="none")
+    eng.stop_ids = frozenset()
+    ids = torch.tensor([render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])])
+    ref = AutoModelForCausalLM.from_pretrained(eng.checkpoint.path, dtype=torch.float32).eval()
+    contenders = {"generate": lambda: generate_once(ref, ids, args.tokens),
+                  "eager": lambda: ours_once(eng, args.tokens)}
+    comp = None
+    if not args.no_compile:
+        comp = engine.open(profile=f"resident-{fmt}", drafter="none", compile="on")
+        comp.stop_ids = frozenset()
+        comp.target.compiled.wait()
+        contenders["compiled"] = lambda: ours_once(comp, args.tokens)
+    m = interleaved(args.runs, contenders)
+    q = eng.target.quant
+    row = {"weights": fmt + (f" g{q.group_size}" if q.group_size else ""),
+           "act_dtype": str(q.act_dtype).replace("torch.", ""), "weight_bytes": eng.target.weight_bytes(),
+           "generate_float32_tps": m["generate"], "eager_tps": m["eager"],
+           "eager_vs_generate_float32": m["eager"] / m["generate"]}
+    if comp is not None:
+        step = comp.target.compiled
+        row.update(compiled_state=step.state, compile_seconds=step.seconds, compile_mode=step.mode,
+                   compile_error=step.error, compiled_tps=m.get("compiled", 0.0),
+                   compiled_speedup_vs_eager=m.get("compiled", 0.0) / m["eager"],
+                   compiled_vs_generate_float32=m.get("compiled", 0.0) / m["generate"])
+    return row
 
 
 if __name__ == "__main__":

@@ -28,9 +28,12 @@ from engine.target.resident import load_resident  # noqa: E402
 HELD = {"prose": "held_prose.txt", "code": "held_code.py.txt"}
 PROMPTS = ["Why is the sky blue?", "Write a Python function that checks whether a string is a palindrome.",
            "Tell me a short story about a lighthouse keeper."]
-# (name, weights, group, embeddings); activations: bf16 where native (the default)
-VARIANTS = [("int8", "int8", 32, False), ("int8+emb", "int8", 32, True),
-            ("int4-g32", "int4", 32, False), ("int4-g32+emb", "int4", 32, True), ("int4-g64", "int4", 64, False)]
+# (name, weights, group, embeddings, activations): bf16 where native (None, the default);
+# the float32 rows isolate what the weight format costs from what bf16 activations cost.
+VARIANTS = [("int8", "int8", 32, False, None), ("int8+emb", "int8", 32, True, None),
+            ("int4-g32", "int4", 32, False, None), ("int4-g32+emb", "int4", 32, True, None),
+            ("int4-g64", "int4", 64, False, None),
+            ("int8 fp32-act", "int8", 32, False, torch.float32), ("int4-g32 fp32-act", "int4", 32, False, torch.float32)]
 
 
 def greedy_answers(eng, tokens: int) -> list[list[int]]:
@@ -56,9 +59,9 @@ def main() -> None:
     exact = eng.target
     candidates = {"exact-bf16": load_resident(path, cpu, torch.bfloat16)}
     loads = {}
-    for name, fmt, group, emb in VARIANTS:
+    for name, fmt, group, emb, act in VARIANTS:
         t = time.perf_counter()
-        candidates[name] = load_quantized(path, cpu, fmt, group_size=group, embeddings=emb)
+        candidates[name] = load_quantized(path, cpu, fmt, group_size=group, embeddings=emb, act_dtype=act)
         loads[name] = {"seconds": time.perf_counter() - t, "cache_hit": candidates[name].quant.cache_hit}
     rows = []
     for text, ids in texts.items():

@@ -97,18 +97,27 @@ class Engine:
         self.costs.new_drafter()
 
     def start_compile(self, cache_dir: Path | None = None) -> bool:
-        """Compile the target's decode step in the background (engine/compiled.py). Only a
-        resident target with exact weights and the fast forward can: quantized and
-        streamed targets decode eagerly (`compile_note` says why)."""
+        """Compile the decode step of the target, then of a model drafter, in the
+        background (engine/compiled.py). Resident targets with the fast forward can, exact
+        or quantized; streamed targets decode eagerly (`compile_note` says why)."""
         t = self.target
-        if type(t) is not ResidentTarget or t.kind != "fast":
+        if not _compilable(t):
             self.compile_note = f"the {_weights_label(t)} {t.kind} target decodes eagerly"
             return False
+        root = cache_dir or _checkpoint.default_cache_dir()
         if t.compiled is None:
-            key = compiled.cache_key(self.name, self.dtype, "exact", self.device)
-            t.compiled = compiled.CompiledStep(t, cache_dir or _checkpoint.default_cache_dir(), key)
+            t.compiled = compiled.CompiledStep(t, root, compiled.cache_key(
+                self.name, self.dtype, _weights_label(t), self.device))
             t.compiled.start()
+        self._compile_drafter(root)
         return True
+
+    def _compile_drafter(self, root: Path) -> None:
+        d = self.drafter
+        if d.kind == "model" and _compilable(d.target) and d.target.compiled is None:
+            d.target.compiled = compiled.CompiledStep(d.target, root, compiled.cache_key(
+                d.name, d.target.dtype, _weights_label(d.target), self.device))
+            d.target.compiled.start()
 
     def new_controller(self) -> DraftController:
         if self.drafter.kind == "none":
@@ -244,6 +253,12 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     if dev.type != "cpu":
         host_room = max(0, hw.host_available_bytes - plan.row(plan.chosen).margin)
     return plan, host_room
+
+
+def _compilable(target) -> bool:
+    """A resident target (exact or quantized) running the fast forward: its weights are
+    fixed, so inductor can fold them into the graph."""
+    return isinstance(target, ResidentTarget) and target.kind == "fast"
 
 
 def _weights_label(target) -> str:

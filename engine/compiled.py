@@ -24,9 +24,10 @@ compiling on the user's time. Verify passes (several positions) stay eager.
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import os
-import sys
+import queue
 import threading
 import time
 from dataclasses import fields
@@ -38,16 +39,82 @@ from .cache import KVCache
 
 MODE = "max-autotune-no-cudagraphs"
 STATES = ("off", "compiling", "ready", "failed")
-_threads: list[threading.Thread] = []
 # A TORCHINDUCTOR_CACHE_DIR the user set wins; otherwise each model gets its own directory.
 _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 
+# Compiling is pure Python most of the time and holds the GIL; an eager step needs the
+# GIL back after each of its ~450 operator calls and waits up to the switch interval
+# (5 ms) each time. Measured: decoding fell from ~30 to 0.7 tok/s while a compile ran.
+# So compiling pauses, process-wide, while any answer is generated (engine/session.py
+# calls pause and resume), and runs while the user reads and types.
+#
+# Where it pauses: at the compile thread's next garbage collection. The compiler
+# allocates Python objects all the time, so collections come every fraction of a
+# millisecond of its work, and a gc callback costs one call per collection. (A
+# sys.setprofile hook, the obvious tool, runs on every function call and return of
+# the compiler: it made compiles 1.4x slower on the tiny model and several times
+# slower on the demo model.) While the thread waits inside the callback no other
+# thread collects, which an answer does not miss.
+_go = threading.Event()
+_go.set()
+_answering = 0
+_lock = threading.Lock()
+# Steps are compiled one after another by one worker thread (a target's step, then its
+# drafter's): two compiles at once would only share the same cores.
+_queue: "queue.Queue[CompiledStep]" = queue.Queue()
+_worker: threading.Thread | None = None
+_pending = 0
+
+
+def pause() -> None:
+    global _answering
+    with _lock:
+        _answering += 1
+        _go.clear()
+
+
+def resume() -> None:
+    global _answering
+    with _lock:
+        _answering = max(0, _answering - 1)
+        if _answering == 0:
+            _go.set()
+
+
+def _yield_to_answers(phase: str, info: dict) -> None:
+    if phase == "stop" and not _go.is_set() and _worker is not None and threading.get_ident() == _worker.ident:
+        _go.wait()                   # releases the GIL until the answers are done
+
 
 def busy() -> bool:
-    """Whether a compile is still running. A process that ends then should leave with
+    """Whether a compile is queued or running. A process that ends then should leave with
     os._exit after flushing its output: interpreter teardown under a thread that is inside
     the compiler can abort the process."""
-    return any(t.is_alive() for t in _threads)
+    return _pending > 0
+
+
+def _work() -> None:
+    global _pending
+    while True:
+        step = _queue.get()
+        try:
+            step._compile()
+        finally:
+            with _lock:
+                _pending -= 1
+            step._done.set()
+
+
+def _submit(step: "CompiledStep") -> None:
+    global _worker, _pending
+    with _lock:
+        _pending += 1
+        if _worker is None or not _worker.is_alive():
+            _worker = threading.Thread(target=_work, name="localchat-compile", daemon=True)
+            if _yield_to_answers not in gc.callbacks:
+                gc.callbacks.append(_yield_to_answers)
+            _worker.start()
+    _queue.put(step)
 
 
 def cache_key(name: str, dtype: torch.dtype, weights: str, device: torch.device) -> str:
@@ -61,7 +128,14 @@ def _as_parameters(impl) -> None:
     """Freezing folds parameters into the graph (plain tensors reached through Python
     objects would stay graph inputs, and their GEMMs unpacked). The data is shared."""
     def p(t):
-        if t is None or isinstance(t, torch.nn.Parameter) or not isinstance(t, torch.Tensor):
+        if t is None or isinstance(t, torch.nn.Parameter):
+            return t
+        if not isinstance(t, torch.Tensor):
+            # A packed int8/int4 weight (target/qweights.py): its tensors become
+            # parameters, so its kernel's weight is a constant of the graph too.
+            for name, v in vars(t).items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                    setattr(t, name, torch.nn.Parameter(v, requires_grad=False))
             return t
         return torch.nn.Parameter(t, requires_grad=False)
     for w in impl.layers:
@@ -83,41 +157,28 @@ class CompiledStep:
         self.mode = mode
         self.state = "compiling"
         self.error = ""
-        self.seconds = 0.0               # how long the compile took
+        self.seconds = 0.0               # how long the compile took (wall time, pauses included)
         self.cache_dir = Path(cache_dir) / "inductor" / key if cache_dir else None
         self._fn = None
-        self._thread: threading.Thread | None = None
-        self._go = threading.Event()     # cleared while an answer is being generated
-        self._go.set()
+        self._done = threading.Event()
 
-    # Compiling is pure Python most of the time and holds the GIL; an eager step needs the
-    # GIL back after each of its ~450 operator calls and waits up to the switch interval
-    # (5 ms) each time. Measured: decoding fell from ~30 to 0.7 tok/s while a compile ran.
-    # So the compile pauses while an answer is generated (engine/session.py calls pause and
-    # resume) and runs while the user reads and types.
+    # Kept for callers that hold a step: the pause is process-wide.
     def pause(self) -> None:
-        self._go.clear()
+        pause()
 
     def resume(self) -> None:
-        self._go.set()
-
-    def _yield_to_answers(self, frame, event, arg) -> None:
-        if not self._go.is_set():
-            self._go.wait()              # releases the GIL until the answer is done
+        resume()
 
     def start(self) -> None:
         impl = self.target.impl
         _as_parameters(impl)
         # The rotary table the real step will read: built now, shared with the scratch copy.
-        impl._rope(0, self.target.cache.capacity, impl.embed)
-        self._thread = threading.Thread(target=self._compile, name="localchat-compile", daemon=True)
-        _threads.append(self._thread)
-        self._thread.start()
+        impl._rope(0, self.target.cache.capacity, impl.norm)
+        _submit(self)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the compile ends (tests and benchmarks); True when it is ready."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._done.wait(timeout)
         return self.state == "ready"
 
     def _scratch(self):
@@ -135,7 +196,6 @@ class CompiledStep:
 
     def _compile(self) -> None:
         t0 = time.perf_counter()
-        sys.setprofile(self._yield_to_answers)      # this thread only
         try:
             import torch._inductor.config as inductor_config
             inductor_config.freezing = True
@@ -164,8 +224,6 @@ class CompiledStep:
         except Exception as exc:             # a compiler failure must never end the chat
             self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             self.state = "failed"
-        finally:
-            sys.setprofile(None)
 
     def _build(self, mode: str):
         fn = torch.compile(_step, mode=mode, fullgraph=True)

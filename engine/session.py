@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
+from . import compiled
 from . import decode as decoding
 from . import speculative
 from .cache import common_prefix
@@ -123,9 +124,7 @@ class Chat:
         generated: list[int] = []
         reason, error = "length", ""
         tracker = None
-        compiling = getattr(target, "compiled", None)
-        if compiling is not None:
-            compiling.pause()          # a running compile would starve this answer of the GIL
+        compiled.pause()               # a running compile would starve this answer of the GIL
         try:
             prompt, prompt_text = self._prompt()
             eng.claim_cache(self)
@@ -165,8 +164,7 @@ class Chat:
             reason = "cancelled"
             raise
         finally:
-            if compiling is not None:
-                compiling.resume()
+            compiled.resume()
             tail = detok.flush()
             if tail:
                 answer["content"] += tail

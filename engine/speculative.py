@@ -50,6 +50,23 @@ class PassCosts:
         """Another drafter: its cost is unknown; the target's pass times still hold."""
         self.t_draft = None
 
+    def follow_kernels(self, target, drafter) -> None:
+        """Forget what passes or drafts cost once a compiled step has gone live under them
+        (engine/compiled.py): compiled kernels change the cost curve, not just its level (a
+        compiled one-token step gains more than an eager verify pass), so the best k is
+        measured afresh rather than drifted towards."""
+        key = (_kernels(target), _kernels(getattr(drafter, "target", None)))
+        old, self._kernels = getattr(self, "_kernels", key), key
+        if key[0] != old[0]:
+            self.t_pass = {}
+        if key[1] != old[1]:
+            self.t_draft = None
+
+
+def _kernels(target) -> str:
+    step = getattr(target, "compiled", None)
+    return "compiled" if step is not None and step.state == "ready" else "eager"
+
 
 class DraftController:
     """Chooses k before each round to maximise expected tokens per second:
@@ -182,6 +199,7 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
         if cancel is not None and cancel.is_set():
             return
         room = max_new_tokens - produced          # tokens we may still emit
+        controller.costs.follow_kernels(target, drafter)
         k = min(controller.choose(), room - 1)
         # The token is committed by this round's pass whatever is accepted: put it in the
         # history now, so the drafter reads the history itself (no copy per round).

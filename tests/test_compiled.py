@@ -112,12 +112,52 @@ def test_bfloat16_compiles_in_the_fallback_mode_if_max_autotune_fails(tiny_llama
     assert stats.compile_state == "ready" and len(ids) > 0
 
 
-def test_only_resident_exact_targets_compile(tiny_llama):
-    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", profile="resident-int8")
-    assert eng.start_compile() is False and "int8" in eng.compile_note
-    assert eng.target.compiled is None
+def test_quantized_target_and_its_drafter_compile(tiny_llama, compile_cache):
+    # An int8 target drafted for by its own int4 copy: both decode steps compile, one
+    # after the other, and the answer is the eager one (float32 activations: the
+    # compiled int8 kernel accumulates as the aten one does, to float32 rounding).
+    kw = dict(dtype="float32", profile="resident-int8", drafter="model", draft_model="self", cache_dir=compile_cache)
+    eager = engine.open(str(tiny_llama), **kw)
+    want = answer(eager)[0]
+    eng = engine.open(str(tiny_llama), compile="on", **kw)
+    step, draft_step = eng.target.compiled, eng.drafter.target.compiled
+    assert step is not None and draft_step is not None
+    assert step.wait(900), step.error
+    assert draft_step.wait(900), draft_step.error
+    # The packed weights became constants of the graph: their tensors are parameters.
+    assert isinstance(eng.target.impl.layers[0].qkv.q, torch.nn.Parameter)
+    ids, stats = answer(eng)
+    assert ids == want and stats.compile_state == "ready"
+    t = eng.target
+    t.cache.rollback(0)
+    t.forward([3, 4, 5])
+    with torch.inference_mode():
+        one = torch.tensor([6])
+        fast, slow = t.compiled(one, t.cache.length), t.impl(one, t.cache.length, False)
+    assert torch.allclose(fast, slow, atol=1e-4, rtol=1e-4)
+
+
+def test_streamed_targets_decode_eagerly(tiny_llama):
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", profile="streamed-exact")
+    assert eng.start_compile() is False and "streamed" in eng.compile_note
+    assert getattr(eng.target, "compiled", None) is None
     with pytest.raises(engine.BadRequest, match="--compile"):
         engine.open(str(tiny_llama), compile="sometimes")
+
+
+def test_pass_costs_are_measured_afresh_when_a_step_goes_live():
+    from engine.speculative import PassCosts
+
+    class Target:
+        compiled = None
+    t, costs = Target(), PassCosts()
+    costs.follow_kernels(t, None)
+    costs.observe(2, 0.01, 0.05)
+    costs.follow_kernels(t, None)                 # nothing changed: the figures stay
+    assert costs.t_pass == {3: 0.05} and costs.t_draft == 0.005
+    t.compiled = type("Step", (), {"state": "ready"})()
+    costs.follow_kernels(t, None)
+    assert costs.t_pass == {} and costs.t_draft == 0.005
 
 
 def test_cache_key_separates_what_a_graph_is_valid_for():

@@ -78,7 +78,7 @@ class QuantizedForward(llama_family.LlamaFamilyForward):
         return out
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if type(self.embed) is torch.Tensor:
+        if isinstance(self.embed, torch.Tensor):
             return F.embedding(ids, self.embed)
         return self.embed.rows(ids)
 
