@@ -47,6 +47,23 @@ def greedy_answers(eng, tokens: int) -> list[list[int]]:
     return out
 
 
+def simulated_int8(path, group: int | None):
+    """An exact float32 target whose decoder matrices are replaced by symmetric int8
+    round-trips with one scale per `group` inputs (None: per output channel, the shipped
+    format). No kernel runs int8 with group scales; this measures only what such a format
+    would cost in fidelity, to tell the format's error from the model's sensitivity."""
+    t = load_resident(path, torch.device("cpu"), torch.float32)
+    for lw in t.impl.layers:
+        for field in ("qkv", "o", "gate_up", "down"):
+            w_t = getattr(lw, field)                     # [in, out] view of the [out, in] weight
+            w = w_t.t()
+            rows = w.reshape(w.shape[0], -1, group or w.shape[1])
+            s = (rows.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12)
+            with torch.no_grad():
+                w.copy_((torch.round(rows / s).clamp(-128, 127) * s).view_as(w))
+    return t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--answer-tokens", type=int, default=128)
@@ -58,6 +75,8 @@ def main() -> None:
     texts["own answers"] = greedy_answers(eng, args.answer_tokens)
     exact = eng.target
     candidates = {"exact-bf16": load_resident(path, cpu, torch.bfloat16)}
+    for group in (None, 64, 32):
+        candidates[f"sim int8 {'g' + str(group) if group else 'per-channel'} fp32-act"] = simulated_int8(path, group)
     loads = {}
     for name, fmt, group, emb, act in VARIANTS:
         t = time.perf_counter()
@@ -69,7 +88,7 @@ def main() -> None:
         for name, f in res.items():
             row = {"text": text, "variant": name, **f.as_dict()}
             rows.append(row)
-            print(f"{text:12} {name:14} top1 {f.top1_agreement:.4f}  KL {f.mean_kl:.5f}  "
+            print(f"{text:12} {name:30} top1 {f.top1_agreement:.4f}  KL {f.mean_kl:.5f}  "
                   f"ppl {f.ppl_candidate:.3f} (exact {f.ppl_reference:.3f})  n={f.tokens}", flush=True)
     out = {"benchmark": "fidelity", "model": eng.name, "reference": "exact float32",
            "activations": str(candidates["int8"].dtype).replace("torch.", ""),
