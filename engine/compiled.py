@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 import time
+import types
 from dataclasses import fields
 from pathlib import Path
 
@@ -148,6 +149,14 @@ def _step(impl, ids: torch.Tensor, pos: int) -> torch.Tensor:
     return impl(ids, pos, False)
 
 
+def _own_step():
+    """`_step` with a code object of its own. Dynamo keeps its compiled graphs, and counts
+    recompiles against its limit of 8, per code object: were every step compiled from
+    `_step` itself, each target and drafter a process compiles (two graphs each) would add
+    to one list, checked on every call, until a later compile failed on the limit."""
+    return types.FunctionType(_step.__code__.replace(), _step.__globals__, "_step")
+
+
 class CompiledStep:
     """Owns the background compile of one target's decode step and, once it is ready,
     runs it. `state` is one of STATES; `error` says why it failed."""
@@ -226,7 +235,7 @@ class CompiledStep:
             self.state = "failed"
 
     def _build(self, mode: str):
-        fn = torch.compile(_step, mode=mode, fullgraph=True)
+        fn = torch.compile(_own_step(), mode=mode, fullgraph=True)
         scratch = self._scratch()
         with torch.inference_mode():
             # Made inside inference mode, as the target's forward makes its ids: the

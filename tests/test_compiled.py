@@ -160,6 +160,14 @@ def test_pass_costs_are_measured_afresh_when_a_step_goes_live():
     assert costs.t_pass == {} and costs.t_draft == 0.005
 
 
+def test_every_step_compiles_its_own_code_object():
+    # Dynamo's graphs and its recompile limit (8) are per code object: a process that
+    # compiles several targets and drafters must not pile them onto one.
+    a, b = compiled._own_step(), compiled._own_step()
+    assert a.__code__ is not b.__code__ and a.__code__ is not compiled._step.__code__
+    assert a.__code__ == compiled._step.__code__
+
+
 def test_cache_key_separates_what_a_graph_is_valid_for():
     a = compiled.cache_key("m", torch.float32, "exact", torch.device("cpu"))
     assert a == compiled.cache_key("m", torch.float32, "exact", torch.device("cpu"))
