@@ -4,9 +4,9 @@ Threads. Textual widgets belong to the UI thread (the asyncio loop). The engine 
 (loading a model takes seconds to minutes, every decoding step a few milliseconds), so
 it runs on one thread of its own, the engine thread, one job at a time:
 
-- `_load` calls `load_engine(settings, progress)` (at start, and for /model and
-  /profile), so the window opens at once and shows the loading progress;
-- `_generate` iterates `Chat.send(...)` and posts what it got to the UI thread as
+- `_load` (loading.py) calls `load_engine(settings, progress)` (at start, and for /model
+  and /profile), so the window opens at once and shows the loading progress;
+- `_generate` (answer_stream.py) iterates `Chat.send(...)` and posts what it got to the UI thread as
   `Progress` messages, at most every `FLUSH_SECONDS` and never more than one in flight,
   without waiting for them to be drawn, so decoding and drawing overlap and a fast model
   does not flood the event loop with one repaint per token. When the answer ends it
@@ -35,7 +35,6 @@ Layout (ids are what app.tcss styles and the tests query):
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -46,20 +45,18 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 
 import engine
-from engine import hardware
 from localchat import config
 from localchat.config import Settings
-from localchat.format import human_bytes
 
+from .answer_stream import AnswerStreaming
 from .command_handlers import CommandHandlers
 from .commands import SlashCommandProvider, parse
 from .conversation_handlers import ConversationHandlers
 from .engine_thread import EngineThread
+from .loading import EngineLoading
 from .store import ChatStore
 from .widgets import AssistantMessage, Conversation, GaugesPanel, PromptInput, Sidebar, StatusBar, UserMessage
 
-FLUSH_SECONDS = 1 / 10      # at most 10 UI updates a second while an answer streams
-LOADING = "Loading model…"
 GENERATING = "generating"
 EDITING = "editing your last prompt · Enter resends · Esc cancels"
 
@@ -68,7 +65,7 @@ EDITING = "editing your last prompt · Enter resends · Esc cancels"
 LoadEngine = Callable[[Settings, Callable[[str, int, int], None]], engine.Engine]
 
 
-class ChatApp(CommandHandlers, ConversationHandlers, App):
+class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStreaming, App):
     """Chat with a local model. `load_engine` runs on the engine thread; it may raise
     `engine.EngineError`, which is shown and leaves the app open. `store` saves the
     conversations (a store without a database chats in memory); `resume` is a
@@ -222,80 +219,6 @@ class ChatApp(CommandHandlers, ConversationHandlers, App):
 
     # -- loading the model
 
-    def _start_loading(self) -> None:
-        self.engine = self.chat = None
-        self.load_error = None
-        self._loading = {"started": time.monotonic(), "rss": hardware.host_rss(), "what": ""}
-        self.status_bar.model = ""
-        self.status_bar.activity = LOADING
-        self._load_timer = self.set_interval(0.5, self._show_loading)
-        self.on_engine_thread(self._load, self.settings)
-
-    def _show_loading(self) -> None:
-        info = self._loading
-        if not info:
-            return
-        name = self.settings.model or "the demo model"
-        line = f"Loading {name}… {time.monotonic() - info['started']:.0f} s · {human_bytes(max(0, hardware.host_rss() - info['rss']))} in memory"
-        if info.get("total"):
-            done, total = info["done"], info["total"]
-            if total > 1 << 20:      # bytes (a file being read), not layers
-                done, total = human_bytes(done), human_bytes(total)
-            line += f" · {info['what']} {done}/{total}"
-        self.status_bar.activity = line
-
-    def _progress(self, what: str, done: int, total: int) -> None:
-        """Called by the engine from the loading thread: only note it, the timer draws it."""
-        self._loading.update(what=what, done=done, total=total)
-
-    def _load(self, settings: Settings) -> None:
-        """On the engine thread: open the engine, hand it to the UI."""
-        try:
-            eng = self._load_engine(settings, self._progress)
-        except engine.EngineError as exc:
-            self._to_ui(self._load_failed, str(exc))
-            return
-        except Exception as exc:   # a bug or a library failure: one line, not a traceback over the UI
-            self._to_ui(self._load_failed, f"{type(exc).__name__}: {exc}")
-            return
-        self._to_ui(self._loaded, eng)
-
-    def _stop_loading_timer(self) -> None:
-        self._loading = {}
-        self._load_timer.stop()
-
-    def _loaded(self, eng: engine.Engine) -> None:
-        self._stop_loading_timer()
-        chat = eng.chat(system=self.system)
-        if self._carry:
-            chat.restore(self._carry)
-            chat.set_system(self.system)    # a /system typed while loading wins
-        self._carry = None
-        self.engine, self.chat = eng, chat
-        description = eng.describe()
-        status = self.status_bar
-        status.model = eng.name
-        status.context_max = int(description.get("context_max") or 0)
-        status.activity = ""
-        self.gauges.set_engine(description, eng.plan, hardware.host_total())
-        status.follow_compile(getattr(eng.target, "compiled", None))
-
-    async def _load_failed(self, message: str) -> None:
-        self._stop_loading_timer()
-        message = " ".join(message.split())      # one line, whatever the exception carried
-        self.load_error = message
-        self.status_bar.activity = "no model loaded"
-        await self.conversation.add_notice(message, error=True)
-        self.notify(message, title="Could not load the model", severity="error", timeout=10)
-
-    def reload_engine(self, settings: Settings) -> None:
-        """Load the engine again with other settings (/model, /profile); the conversation
-        carries over to the new chat."""
-        if self.chat is not None:
-            self._carry = [dict(m) for m in self.chat.messages]
-        self.settings = settings
-        self._start_loading()
-
     # -- sending
 
     def put_in_prompt(self, text: str) -> None:
@@ -383,63 +306,6 @@ class ChatApp(CommandHandlers, ConversationHandlers, App):
         self.on_engine_thread(self._generate, events, reply, mode == "retry")
         await self.report_store_problem()
         return True
-
-    def _generate(self, events, reply: AssistantMessage, replaces_answer: bool) -> None:
-        """On the engine thread: drain the engine's events, hand them to the UI in
-        batches, save the answer."""
-        try:
-            stats, done = self._drain(events, reply)
-            self.store.save_answer(done.text, done.reason, done.error, stats.as_dict() if stats else None,
-                                   replace_last=replaces_answer)
-            # The last batch must be drawn before the final full render replaces it.
-            deadline = time.monotonic() + 5
-            while self._ui_busy.is_set() and time.monotonic() < deadline and self.is_running:
-                time.sleep(0.005)
-            self._to_ui(self._end_answer, reply, stats, done)
-        finally:
-            self._idle.set()
-
-    def _drain(self, events, reply: AssistantMessage) -> tuple[engine.Stats | None, engine.Done]:
-        pending: list[str] = []
-        stats = last_stats = None
-        done: engine.Done | None = None
-        last_flush = 0.0
-        try:
-            for event in events:
-                if isinstance(event, engine.TextDelta):
-                    pending.append(event.text)
-                elif isinstance(event, engine.Stats):
-                    stats = last_stats = event
-                elif isinstance(event, engine.Done):
-                    done = event
-                if self._quitting.is_set():
-                    # Checked here, not only when posting: a batch the closing UI never
-                    # drew keeps _ui_busy set, and no post would find out.
-                    self.chat.cancel()
-                now = time.monotonic()
-                if (done is None and (pending or stats) and now - last_flush >= FLUSH_SECONDS
-                        and not self._ui_busy.is_set()):
-                    # Hand the batch over without waiting for it to be drawn: the engine
-                    # keeps decoding while the UI renders (on two cores, waiting for each
-                    # repaint cost a third of the speed). While a batch is still being
-                    # drawn, text accumulates here and goes in the next one.
-                    self._ui_busy.set()
-                    if not self.post_message(self.Progress(reply, "".join(pending), stats)):
-                        # The UI could not take it (the app is closing): end the answer
-                        # here; the engine records it as cancelled and keeps the text.
-                        self._ui_busy.clear()
-                        events.close()
-                        done = self.chat.last_done
-                        break
-                    pending, stats, last_flush = [], None, now
-        except Exception as exc:   # the engine turns its own failures into Done('error'); this is a bug
-            events.close()
-            done = engine.Done("error", text=reply_text_fallback(self.chat, pending),
-                               error=f"{type(exc).__name__}: {exc}")
-        if done is None:           # the generator ended without Done: should not happen
-            done = engine.Done("error", text=reply_text_fallback(self.chat, pending),
-                               error="the answer ended without a final event")
-        return last_stats, done
 
     class Progress(Message):
         """A batch of answer text and the latest stats, posted by the generation thread."""
@@ -573,14 +439,6 @@ class ChatApp(CommandHandlers, ConversationHandlers, App):
             self.chat.restore([{"role": "system", "content": self.system}] if self.system else [])
         self.sidebar.current = None
         await self.sidebar.reload()
-
-
-def reply_text_fallback(chat: engine.Chat | None, pending: list[str]) -> str:
-    """The partial answer after an unexpected failure: what the engine kept in the
-    conversation, else what had arrived."""
-    if chat is not None and chat.messages and chat.messages[-1]["role"] == "assistant":
-        return chat.messages[-1]["content"]
-    return "".join(pending)
 
 
 def run_tui(load_engine: LoadEngine, settings: Settings, data_dir: str | None = None,
