@@ -49,9 +49,10 @@ _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 # So compiling pauses, process-wide, while any answer is generated (engine/session.py
 # calls pause and resume), and runs while the user reads and types.
 #
-# Where it pauses: at the compile thread's next garbage collection. The compiler
-# allocates Python objects all the time, so collections come every fraction of a
-# millisecond of its work, and a gc callback costs one call per collection. (A
+# Where it pauses: at the compile thread's next garbage collection. The compiler builds
+# graphs, nodes and code as Python objects all the time (collections count objects kept,
+# not freed), so collections come every fraction of a millisecond of its work, and a gc
+# callback costs one call per collection. (A
 # sys.setprofile hook, the obvious tool, runs on every function call and return of
 # the compiler: it made compiles 1.4x slower on the tiny model and several times
 # slower on the demo model.) While the thread waits inside the callback no other

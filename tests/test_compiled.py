@@ -2,6 +2,9 @@
 through the real torch.compile path (inductor, max-autotune, freezing; ~15-40 s on two
 cores, once per session: the cache dir is shared), then used between tokens without
 changing a token; failures fall back to eager decoding."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -158,6 +161,51 @@ def test_pass_costs_are_measured_afresh_when_a_step_goes_live():
     t.compiled = type("Step", (), {"state": "ready"})()
     costs.follow_kernels(t, None)
     assert costs.t_pass == {} and costs.t_draft == 0.005
+
+
+class BusyCompile(compiled.CompiledStep):
+    """Stands in for the compiler's Python work (allocating all the time) on the real
+    compile thread, counting how far it got."""
+
+    def __init__(self):
+        super().__init__(None, None, "busy")
+        self.count = 0
+        self.stop = threading.Event()
+
+    def _compile(self):
+        kept = []
+        while not self.stop.is_set():
+            # Like a compiler building graphs, it keeps what it allocates, so collections
+            # come every few rounds (objects freed at once would not count towards one).
+            kept.append([[] for _ in range(100)])
+            if len(kept) > 1000:
+                kept = []
+            self.count += 1
+        self.state = "ready"
+
+
+def wait_until(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_compile_thread_parks_while_an_answer_runs():
+    step = BusyCompile()
+    compiled._submit(step)
+    wait_until(lambda: step.count > 0)
+    compiled.pause()
+    try:
+        time.sleep(0.2)                      # it parks at its next collection
+        before = step.count
+        time.sleep(0.3)
+        assert step.count == before and compiled.busy()
+    finally:
+        compiled.resume()
+    wait_until(lambda: step.count > before)  # and goes on once the answers are done
+    step.stop.set()
+    assert step.wait(10) and not compiled.busy()
 
 
 def test_every_step_compiles_its_own_code_object():
