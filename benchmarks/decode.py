@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--formats", default="int8,int4",
                     help="quantized formats to measure ('' for none): eager and compiled, against float32 generate()")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled-step rows (each compiles for minutes)")
+    ap.add_argument("--drafter", action="store_true",
+                    help="also the float32 target with its int4 self-drafter, eager against both steps compiled")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -136,7 +138,46 @@ def main() -> None:
         row = quantized_row(fmt, args)
         result["rows"].append(row)
         print(row, flush=True)
+    if args.drafter:
+        row = drafter_row(args)
+        result["rows"].append(row)
+        print(row, flush=True)
     print("wrote", write_json(args.out, result))
+
+
+def spec_once(eng, tokens: int) -> tuple[float, float, float]:
+    chat = eng.chat()
+    list(chat.send(PROMPT, max_new_tokens=tokens))
+    s = chat.last_stats
+    return s.decode_tps, s.tokens_per_pass, s.acceptance
+
+
+def drafter_row(args) -> dict:
+    """The float32 target drafted for by its own int4 copy: eager, and with both decode
+    steps compiled (the target's, then the drafter's), against float32 generate()."""
+    from transformers import AutoModelForCausalLM
+    kw = dict(dtype="float32", drafter="model", draft_model="self")
+    eng = engine.open(**kw)
+    comp = engine.open(compile="on", **kw)
+    for e in (eng, comp):
+        e.stop_ids = frozenset()
+    comp.target.compiled.wait()
+    comp.drafter.target.compiled.wait()
+    ids = torch.tensor([render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])])
+    ref = AutoModelForCausalLM.from_pretrained(eng.checkpoint.path, dtype=torch.float32).eval()
+    samples = {"generate": [], "eager": [], "compiled": []}
+    for _ in range(args.runs + 1):                     # the first round warms up
+        samples["generate"].append((generate_once(ref, ids, args.tokens), 1.0, 0.0))
+        samples["eager"].append(spec_once(eng, args.tokens))
+        samples["compiled"].append(spec_once(comp, args.tokens))
+    m = {k: [median([x[i] for x in v[1:]]) for i in range(3)] for k, v in samples.items()}
+    return {"weights": "float32 target + int4 self-drafter", "generate_float32_tps": m["generate"][0],
+            "eager_tps": m["eager"][0], "eager_tokens_per_pass": m["eager"][1], "eager_acceptance": m["eager"][2],
+            "compiled_tps": m["compiled"][0], "compiled_tokens_per_pass": m["compiled"][1],
+            "compiled_acceptance": m["compiled"][2], "compiled_speedup_vs_eager": m["compiled"][0] / m["eager"][0],
+            "compiled_vs_generate_float32": m["compiled"][0] / m["generate"][0],
+            "states": [comp.target.compiled.state, comp.drafter.target.compiled.state],
+            "compile_seconds": [comp.target.compiled.seconds, comp.drafter.target.compiled.seconds]}
 
 
 def quantized_row(fmt: str, args) -> dict:

@@ -12,6 +12,8 @@ target's tokenizer, with its own KV cache), `none` (plain decoding through the s
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -63,6 +65,7 @@ class ModelDrafter:
     back to the longest prefix it shares with the target's history, so rejected drafts
     are forgotten without copying anything."""
     kind = "model"
+    catch_up_seconds = 0.0              # of the last proposal: see propose
 
     def __init__(self, target, name: str, target_vocab: int):
         self.target = target            # a ResidentTarget of the drafter model
@@ -83,6 +86,18 @@ class ModelDrafter:
         self.target.cache.rollback(keep)
         del self.ids[keep:]
         feed = list(history[keep:])
+        # Catching up on what the target committed since the last proposal (a new
+        # prompt, or rounds that drafted nothing) is a prefill, paid once, not a cost per
+        # drafted token: timed apart, so the controller's per-token draft cost is what a
+        # draft step costs (it once took a whole prompt's prefill for one draft step,
+        # and then never drafted again).
+        self.catch_up_seconds = 0.0
+        if len(feed) > 1:
+            t0 = time.perf_counter()
+            self.target.forward(feed[:-1])
+            self.ids.extend(feed[:-1])
+            feed = feed[-1:]
+            self.catch_up_seconds = time.perf_counter() - t0
         tokens, dists = [], []
         for _ in range(k):
             logits = self.target.forward(feed)[-1]

@@ -218,7 +218,9 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
         else:
             n, nxt = 0, next_token(decode_one_token(target, token), params, gen)
         t2 = time.perf_counter()
-        controller.observe(len(drafts), n, t1 - t0, t2 - t1)
+        # The drafter's catch-up (a prefill of what it missed) is not a per-token cost.
+        catch_up = getattr(drafter, "catch_up_seconds", 0.0) if k > 0 else 0.0
+        controller.observe(len(drafts), n, max(0.0, t1 - t0 - catch_up), t2 - t1)
         counts.rounds += 1
         counts.drafted += len(drafts)
         counts.accepted += n

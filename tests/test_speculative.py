@@ -105,6 +105,25 @@ def test_caches_hold_exactly_the_committed_tokens(tiny_llama):
     assert len(history) > len(ids) + 40
 
 
+def test_a_drafters_catch_up_is_not_counted_as_draft_cost(tiny_llama):
+    # The first proposal prefills the whole prompt into the drafter; that prefill is timed
+    # apart (the controller would otherwise think each drafted token costs a prefill, and
+    # stop drafting for good), and the draft steps after it feed one token each.
+    eng = engine.open(str(tiny_llama), drafter="none")
+    drafter = ModelDrafter(load_resident(tiny_llama, eng.device, eng.dtype), "self", eng.target.vocab_size)
+    history = eng.tokenizer("Hello there, how are you today? I am fine, thank you.")["input_ids"]
+    fed = []
+    forward = drafter.target.forward
+    drafter.target.forward = lambda ids, *a, **kw: fed.append(len(ids)) or forward(ids, *a, **kw)
+    tokens, _ = drafter.propose(history, 3, SamplingParams(), None)
+    assert drafter.catch_up_seconds > 0
+    assert fed == [len(history) - 1, 1, 1, 1]
+    assert drafter.ids == history + tokens[:-1]
+    fed.clear()
+    drafter.propose(history + tokens[:1], 2, SamplingParams(), None)
+    assert drafter.catch_up_seconds == 0.0 and fed == [1, 1]
+
+
 def test_long_chat_same_text_with_speculation(tiny_llama):
     plain = engine.open(str(tiny_llama), drafter="none")
     spec = engine.open(str(tiny_llama), drafter="ngram", draft_tokens=3)
