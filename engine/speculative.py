@@ -37,6 +37,7 @@ class PassCosts:
         self.alpha = smoothing
         self.t_draft: float | None = None
         self.t_pass: dict[int, float] = {}      # positions -> moving mean seconds
+        self._kernels: tuple[str, str] | None = None   # (target, drafter): eager | compiled
 
     def observe(self, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
         if drafted:
@@ -56,7 +57,7 @@ class PassCosts:
         compiled one-token step gains more than an eager verify pass), so the best k is
         measured afresh rather than drifted towards."""
         key = (_kernels(target), _kernels(getattr(drafter, "target", None)))
-        old, self._kernels = getattr(self, "_kernels", key), key
+        old, self._kernels = self._kernels or key, key
         if key[0] != old[0]:
             self.t_pass = {}
         if key[1] != old[1]:
