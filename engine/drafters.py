@@ -86,13 +86,14 @@ class ModelDrafter:
         self.target.cache.rollback(keep)
         del self.ids[keep:]
         feed = list(history[keep:])
-        # Catching up on what the target committed since the last proposal (a new
-        # prompt, or rounds that drafted nothing) is a prefill, paid once, not a cost per
-        # drafted token: timed apart, so the controller's per-token draft cost is what a
-        # draft step costs (it once took a whole prompt's prefill for one draft step,
-        # and then never drafted again).
+        # Catching up on a stretch the target committed without drafts (a new prompt,
+        # rounds that drafted nothing) is a prefill paid once, not a cost per drafted
+        # token: timed apart, so the controller's per-token draft cost is what drafting
+        # costs (it once took a whole prompt's prefill for one draft step, and never
+        # drafted again). The two tokens a fully accepted round leaves (the last draft
+        # and the target's own) are every round's cost and stay in it.
         self.catch_up_seconds = 0.0
-        if len(feed) > 1:
+        if len(feed) > 2:
             t0 = time.perf_counter()
             self.target.forward(feed[:-1])
             self.ids.extend(feed[:-1])

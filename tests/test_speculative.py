@@ -122,6 +122,10 @@ def test_a_drafters_catch_up_is_not_counted_as_draft_cost(tiny_llama):
     fed.clear()
     drafter.propose(history + tokens[:1], 2, SamplingParams(), None)
     assert drafter.catch_up_seconds == 0.0 and fed == [1, 1]
+    # Every draft accepted plus the target's own token: a round's usual two, not a catch-up.
+    fed.clear()
+    drafter.propose(history + tokens[:1] + [5, 6], 2, SamplingParams(), None)
+    assert drafter.catch_up_seconds == 0.0 and fed[0] == 2
 
 
 def test_long_chat_same_text_with_speculation(tiny_llama):
