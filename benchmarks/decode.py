@@ -123,12 +123,8 @@ def main() -> None:
                "ours_generic_forward_tps": m["generic"], "speedup_vs_generate": m["ours"] / m["generate"],
                "generic_speedup_vs_generate": m["generic"] / m["generate"]}
         if comp is not None:
-            step = comp.target.compiled
-            row.update(compiled_state=step.state, compile_seconds=step.seconds, compile_mode=step.mode,
-                       compile_error=step.error,
-                       compiled_tps=m.get("compiled", 0.0),
-                       compiled_speedup_vs_eager=m.get("compiled", 0.0) / m["ours"],
-                       compiled_speedup_vs_generate=m.get("compiled", 0.0) / m["generate"])
+            row.update(compiled_fields(comp.target.compiled, m, "ours"),
+                       compiled_speedup_vs_generate=m["compiled"] / m["generate"])
         comp = None
         if dtype == "float32":
             row["ttft"] = ttft_turns(eng, max(1, args.runs // 2))
@@ -203,12 +199,17 @@ def quantized_row(fmt: str, args) -> dict:
            "generate_float32_tps": m["generate"], "eager_tps": m["eager"],
            "eager_vs_generate_float32": m["eager"] / m["generate"]}
     if comp is not None:
-        step = comp.target.compiled
-        row.update(compiled_state=step.state, compile_seconds=step.seconds, compile_mode=step.mode,
-                   compile_error=step.error, compiled_tps=m.get("compiled", 0.0),
-                   compiled_speedup_vs_eager=m.get("compiled", 0.0) / m["eager"],
-                   compiled_vs_generate_float32=m.get("compiled", 0.0) / m["generate"])
+        row.update(compiled_fields(comp.target.compiled, m, "eager"),
+                   compiled_vs_generate_float32=m["compiled"] / m["generate"])
     return row
+
+
+def compiled_fields(step, m: dict, eager: str) -> dict:
+    """What a row says of a compiled contender: how its compile went and its speed
+    against the eager contender `eager` of the same run."""
+    return {"compiled_state": step.state, "compile_seconds": step.seconds, "compile_mode": step.mode,
+            "compile_error": step.error, "compiled_tps": m["compiled"],
+            "compiled_speedup_vs_eager": m["compiled"] / m[eager]}
 
 
 if __name__ == "__main__":

@@ -172,13 +172,6 @@ class CompiledStep:
         self._fn = None
         self._done = threading.Event()
 
-    # Kept for callers that hold a step: the pause is process-wide.
-    def pause(self) -> None:
-        pause()
-
-    def resume(self) -> None:
-        resume()
-
     def start(self) -> None:
         impl = self.target.impl
         _as_parameters(impl)

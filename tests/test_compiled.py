@@ -62,7 +62,7 @@ def test_switch_mid_answer_keeps_the_text(tiny_llama, compile_cache, eager_ids):
     assert step.state == "compiling"      # the first token came from the eager step
     # The compile pauses while an answer runs (it would starve it of the GIL); this answer
     # is itself paused here, so let the compile finish as if the answer had ended.
-    step.resume()
+    compiled.resume()
     assert step.wait(900), step.error
     list(events)
     assert first is not None and chat.last_done.token_ids == eager_ids

@@ -235,8 +235,8 @@ class StreamedTarget:
         torch's setting. When the device is the CPU, compute and the prefetch readers share
         its cores, and torch's OpenMP workers spin between operators: a one-token step
         computed on every core starves the readers. Measured on the demo model with a
-        quarter of it resident (2 cores, warm): 170 ms a step with two compute threads,
-        115 ms with one. Only one-token steps: their logits are bit for bit the same at
+        quarter of it resident (2 cores, warm, benchmarks/streamed.py, same run): 164 ms a
+        step on both cores, 110 ms on one. Only one-token steps: their logits are bit for bit the same at
         any thread count (checked in tests), while a wider pass may sum in another order
         with fewer threads, and must equal the resident target's."""
         if self.device.type != "cpu" or positions != 1 or not self.split_threads:
