@@ -113,7 +113,9 @@ def main() -> None:
         if not args.no_compile:
             # The engine's compiled decode step (engine/compiled.py), waited for here; in
             # the chat it lands in the background while the first answers run eagerly.
-            comp = engine.open(dtype=dtype, drafter="none", compile="on")
+            eager_ttft = first_token_seconds(engine.open(dtype=dtype, drafter="none"))
+            comp = engine.open(dtype=dtype, drafter="none", compile="on", cache_dir=fresh_cache())
+            cold_ttft = first_token_seconds(comp)      # a first answer while the compile waits behind it
             comp.stop_ids = frozenset()
             comp.target.compiled.wait()
             contenders["compiled"] = lambda: ours_once(comp, args.tokens)
@@ -125,6 +127,8 @@ def main() -> None:
         if comp is not None:
             row.update(compiled_fields(comp.target.compiled, m, "ours"),
                        compiled_speedup_vs_generate=m["compiled"] / m["generate"])
+            row["starts"] = dict(eager_ttft_s=eager_ttft, cold_compile_ttft_s=cold_ttft, **warm_start(
+                dict(dtype=dtype, drafter="none"), comp.target.compiled.cache_dir.parent.parent))
         comp = None
         if dtype == "float32":
             row["ttft"] = ttft_turns(eng, max(1, args.runs // 2))
@@ -154,7 +158,7 @@ def drafter_row(args) -> dict:
     from transformers import AutoModelForCausalLM
     kw = dict(dtype="float32", drafter="model", draft_model="self")
     eng = engine.open(**kw)
-    comp = engine.open(compile="on", **kw)
+    comp = engine.open(compile="on", cache_dir=fresh_cache(), **kw)
     for e in (eng, comp):
         e.stop_ids = frozenset()
     comp.target.compiled.wait()
@@ -188,7 +192,7 @@ def quantized_row(fmt: str, args) -> dict:
                   "eager": lambda: ours_once(eng, args.tokens)}
     comp = None
     if not args.no_compile:
-        comp = engine.open(profile=f"resident-{fmt}", drafter="none", compile="on")
+        comp = engine.open(profile=f"resident-{fmt}", drafter="none", compile="on", cache_dir=fresh_cache())
         comp.stop_ids = frozenset()
         comp.target.compiled.wait()
         contenders["compiled"] = lambda: ours_once(comp, args.tokens)
@@ -204,10 +208,45 @@ def quantized_row(fmt: str, args) -> dict:
     return row
 
 
+def fresh_cache() -> Path:
+    """An empty cache directory: a compiled row's compile is cold (nothing from an
+    earlier run or from the user's own cache)."""
+    import tempfile
+    return Path(tempfile.mkdtemp(prefix="localchat-bench-cache-"))
+
+
+def first_token_seconds(eng) -> float:
+    """Time to the first token of a new engine's first answer."""
+    t = time.perf_counter()
+    events = eng.chat().send(PROMPT, max_new_tokens=8)
+    for ev in events:
+        if isinstance(ev, engine.TextDelta):
+            break
+    took = time.perf_counter() - t
+    list(events)
+    return took
+
+
+def warm_start(kw: dict, cache_dir: Path, runs: int = 3) -> dict:
+    """A start that finds the package a cold start left: how long the model takes to
+    open, and how long after that the compiled step is live (median of `runs`)."""
+    opens, live = [], []
+    for _ in range(runs):
+        t = time.perf_counter()
+        e = engine.open(compile="on", cache_dir=cache_dir, **kw)
+        opens.append(time.perf_counter() - t)
+        step = e.target.compiled
+        assert step.wait(600) and step.source == "cache", (step.state, step.source, step.notes)
+        live.append(time.perf_counter() - t - opens[-1])
+        e = step = None
+    return {"warm_open_s": median(opens), "warm_compiled_live_after_open_s": median(live)}
+
+
 def compiled_fields(step, m: dict, eager: str) -> dict:
     """What a row says of a compiled contender: how its compile went and its speed
     against the eager contender `eager` of the same run."""
     return {"compiled_state": step.state, "compile_seconds": step.seconds, "compile_mode": step.mode,
+            "compile_source": step.source, "compile_notes": step.notes, "check_error": step.check_error,
             "compile_error": step.error, "compiled_tps": m["compiled"],
             "compiled_speedup_vs_eager": m["compiled"] / m[eager]}
 

@@ -93,36 +93,46 @@ class Engine:
                 # token. bf16 where the device has it is what the int8/int4 kernels are fast at.
                 dtarget = load_quantized(dckpt.path, self.device, weights, cache_dir=cache_dir)
             name = dckpt.name + ("" if weights == "exact" else f" ({weights})")
-            self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size)
+            self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size, dckpt.path)
         self.costs.new_drafter()
 
-    def start_compile(self, cache_dir: Path | None = None) -> bool:
+    def start_compile(self, cache_dir: Path | None = None, build: bool = True) -> bool:
         """Compile the decode step of the target, then of a model drafter, in the
         background (engine/compiled.py). Resident targets with the fast forward can, exact
-        or quantized; streamed targets decode eagerly (`compile_note` says why)."""
+        or quantized; streamed targets decode eagerly (`compile_note` says why).
+        build=False only loads steps an earlier start left in the cache."""
         t = self.target
         if not _compilable(t):
             self.compile_note = f"the {_weights_label(t)} {t.kind} target decodes eagerly"
             return False
         root = cache_dir or _checkpoint.default_cache_dir()
         if t.compiled is None:
+            short = _no_room_to_compile(t)
+            if short:
+                self.compile_note = f"the target decodes eagerly: {short}"
+                return False
             t.compiled = compiled.CompiledStep(t, root, compiled.cache_key(
-                self.name, self.dtype, _weights_label(t), self.device))
+                self.name, self.dtype, _weights_label(t), self.device, compiled.weights_stamp(self.checkpoint.path)),
+                build=build)
             t.compiled.start()
-        self._compile_drafter(root)
+        self._compile_drafter(root, build)
         return True
 
-    def _compile_drafter(self, root: Path) -> None:
+    def _compile_drafter(self, root: Path, build: bool) -> None:
         d = self.drafter
-        if d.kind == "model" and _compilable(d.target) and d.target.compiled is None:
+        if d.kind == "model" and _compilable(d.target) and d.target.compiled is None \
+                and not _no_room_to_compile(d.target):
             d.target.compiled = compiled.CompiledStep(d.target, root, compiled.cache_key(
-                d.name, d.target.dtype, _weights_label(d.target), self.device))
+                d.name, d.target.dtype, _weights_label(d.target), self.device, compiled.weights_stamp(d.path) if d.path else ""),
+                build=build)
             d.target.compiled.start()
 
     def new_controller(self) -> DraftController:
         if self.drafter.kind == "none":
             return DraftController(max_draft=0, fixed=0)
-        return DraftController(max_draft=self.max_draft, fixed=self.draft_tokens, costs=self.costs)
+        prior = self.costs.acceptance if self.costs.acceptance is not None else 0.5
+        return DraftController(max_draft=self.max_draft, fixed=self.draft_tokens, costs=self.costs,
+                               prior_acceptance=prior)
 
     def chat(self, system: str | None = None) -> Chat:
         return Chat(self, system)
@@ -164,10 +174,11 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     resident-int4 > streamed-exact), or a profile's name forces it. context: the longest conversation to plan memory for.
     The memory plan is made before any weight is read (`eng.plan`); a model that fits no
     profile is refused with the figures, instead of exhausting memory.
-    compile: off | on | auto — build the compiled decode step in the background (engine/compiled.py)
-    and switch to it when ready; auto and on do so for a resident exact target (the others
-    decode eagerly), on also says why not in `eng.compile_note`."""
-    if compile not in ("off", "on", "auto"):
+    compile: off | on | auto | cached — build the compiled decode step in the background
+    (engine/compiled.py) and switch to it when ready; auto and on do so for a resident target
+    with the fast forward (the others decode eagerly), on also says why not in
+    `eng.compile_note`; cached only loads a step an earlier start built, never builds one."""
+    if compile not in ("off", "on", "auto", "cached"):
         raise BadRequest(f"--compile {compile}: choose auto, on or off")
     _check_drafter(drafter, draft_model, drafter_weights)      # before loading anything: fail fast
     if draft_tokens is not None and not 0 <= draft_tokens <= 64:
@@ -210,7 +221,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     eng.plan = plan
     eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast, weights=drafter_weights)
     if compile != "off":
-        eng.start_compile(cache_dir)
+        eng.start_compile(cache_dir, build=compile != "cached")
     return eng
 
 
@@ -259,6 +270,19 @@ def _compilable(target) -> bool:
     """A resident target (exact or quantized) running the fast forward: its weights are
     fixed, so inductor can fold them into the graph."""
     return isinstance(target, ResidentTarget) and target.kind == "fast"
+
+
+def _no_room_to_compile(target) -> str:
+    """Why memory is too short for a compiled step ("" when it is not). The step keeps a
+    copy of the weights of its own, repacked for its kernels, beside the eager forward's
+    (verify passes and prefill still run eagerly): about the weights' size again, in RAM on
+    a CPU, on the device on a GPU."""
+    need = int(target.weight_bytes() * 1.1) + (256 << 20)
+    free = hardware.available_memory(target.device)
+    if free is None or free >= need:
+        return ""
+    return (f"a compiled step needs {need / 2**30:.1f} GiB more memory (its own copy of the weights) "
+            f"and {free / 2**30:.1f} GiB is free")
 
 
 def _weights_label(target) -> str:

@@ -1,25 +1,24 @@
 """The one-token decode step compiled by inductor, built in the background (issue 7).
 
 An eager decode step of the fast forward is ~450 small operator calls; on a CPU their
-overhead is as large as the weight reads. `torch.compile(fullgraph=True)` in
-max-autotune mode with inductor *freezing* fuses the elementwise work and folds the weights
-into the graph as constants, so each GEMM is prepacked and autotuned for one row
-(benchmarks/compile_probe.py: 27.6 ms against 38.3 ms eager on the demo model in float32).
+overhead is as large as the weight reads. Inductor in max-autotune mode with *freezing*
+fuses the elementwise work and folds the weights into the code as constants, so each
+GEMM is prepacked and autotuned for one row (1.3-1.4x the eager step on the demo model).
 
-A cold compile takes one to two minutes on a small CPU, so nobody waits for it: a thread
-compiles the step against a scratch KV cache (same shapes, same weights) while the chat
-decodes eagerly, and the target uses the compiled step from the next token on once it is
-ready. Two graphs are built: one at a first position, then the one with the position
-symbolic (dynamo's automatic dynamic shapes), which serves every later position. The
-cache's capacity and the rotary table are marked dynamic, so a conversation that
-outgrows them does not recompile.
+A cold compile takes minutes on a small CPU, so nobody waits for it: a thread builds the
+step against a scratch KV cache (same shapes, same weights) while the chat decodes
+eagerly, and the target uses the compiled step from the next token on once it is ready.
 
-Inductor's caches go to a directory per model, dtype, weight format, torch version and
-device under the user cache dir, so the next start finds what can be reused (autotuning
-results, and dynamo's record of which sizes are dynamic). After the switch the
-step runs with the compiler's `fail_on_recompile` stance: a call whose guards would fail
-(something unforeseen changed) falls back to the eager step for good instead of
-compiling on the user's time. Verify passes (several positions) stay eager.
+It is built ahead of time (engine/exported.py: torch.export, then an AOTInductor package)
+and kept under the user cache dir in a directory per model and weight files, dtype,
+weight format, torch version, device and CPU instruction set, so a later start loads it
+in seconds instead of compiling again. Before a step goes live it must compute the
+model's step (one step on a scratch cache against the eager forward): a stale or corrupt
+package is deleted and built again. When no package can be built, `torch.compile` over
+the same function is the fallback (its prepacked graphs cannot be cached: it compiles in
+full at every start); it runs with the compiler's `fail_on_recompile` stance, so a call
+whose guards would fail falls back to the eager step for good instead of compiling on the
+user's time. Verify passes (several positions) stay eager.
 """
 from __future__ import annotations
 
@@ -36,9 +35,10 @@ from pathlib import Path
 
 import torch
 
+from . import exported
 from .cache import KVCache
 
-MODE = "max-autotune-no-cudagraphs"
+MODE = "max-autotune-unfused"            # engine/exported.py MODES; torch.compile runs "default"
 STATES = ("off", "compiling", "ready", "failed")
 # A TORCHINDUCTOR_CACHE_DIR the user set wins; otherwise each model gets its own directory.
 _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
@@ -66,6 +66,9 @@ _lock = threading.Lock()
 _queue: "queue.Queue[CompiledStep]" = queue.Queue()
 _worker: threading.Thread | None = None
 _pending = 0
+# Only building parks: loading a package from disk takes a second or two, mostly outside
+# the interpreter, and a warm start should decode its first answer with it.
+_building = False
 
 
 def pause() -> None:
@@ -84,7 +87,8 @@ def resume() -> None:
 
 
 def _yield_to_answers(phase: str, info: dict) -> None:
-    if phase == "stop" and not _go.is_set() and _worker is not None and threading.get_ident() == _worker.ident:
+    if phase == "stop" and _building and not _go.is_set() and _worker is not None \
+            and threading.get_ident() == _worker.ident:
         _go.wait()                   # releases the GIL until the answers are done
 
 
@@ -119,11 +123,21 @@ def _submit(step: "CompiledStep") -> None:
     _queue.put(step)
 
 
-def cache_key(name: str, dtype: torch.dtype, weights: str, device: torch.device) -> str:
-    """The directory name inductor's caches are kept under: a compiled graph is only valid
-    for the model, dtype, weight format, torch build and device it was made for."""
-    raw = f"{name}|{dtype}|{weights}|{torch.__version__}|{device.type}"
+def cache_key(name: str, dtype: torch.dtype, weights: str, device: torch.device, stamp: str = "") -> str:
+    """The directory name a compiled step is kept under: it is only valid for the model
+    (and the very weights, `stamp`: a package holds a copy of them), dtype, weight format,
+    torch build, device and the CPU's instruction set it was made for."""
+    isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else ""
+    raw = f"{name}|{stamp}|{dtype}|{weights}|{torch.__version__}|{device.type}|{isa}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def weights_stamp(path: Path) -> str:
+    """Names, sizes and modification times of a checkpoint's files: a re-downloaded or
+    re-converted model gets a new key instead of an old package's weights."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
 
 
 def _as_parameters(impl) -> None:
@@ -160,15 +174,22 @@ def _own_step():
 
 class CompiledStep:
     """Owns the background compile of one target's decode step and, once it is ready,
-    runs it. `state` is one of STATES; `error` says why it failed."""
+    runs it. `state` is one of STATES; `error` says why it failed; `source` says where the
+    running step came from: "cache" (a package loaded from disk), "built" (compiled now
+    and packaged) or "jit" (torch.compile, when no package could be made)."""
 
-    def __init__(self, target, cache_dir: Path | None, key: str, mode: str = MODE):
+    def __init__(self, target, cache_dir: Path | None, key: str, mode: str = MODE, build: bool = True):
         self.target = target
+        self.build = build               # False: only load a package an earlier start built
         self.mode = mode
         self.state = "compiling"
         self.error = ""
-        self.seconds = 0.0               # how long the compile took (wall time, pauses included)
+        self.source = ""
+        self.seconds = 0.0               # how long the compile (or the load) took, pauses included
         self.cache_dir = Path(cache_dir) / "inductor" / key if cache_dir else None
+        self.package = self.cache_dir / "step.pt2" if self.cache_dir else None
+        self.notes: list[str] = []       # attempts that failed on the way (why a fallback ran)
+        self.check_error = None          # the live step's relative logit error against eager (_check)
         self._fn = None
         self._done = threading.Event()
 
@@ -184,51 +205,95 @@ class CompiledStep:
         self._done.wait(timeout)
         return self.state == "ready"
 
-    def _scratch(self):
+    def _scratch(self, dynamic: bool = True):
         """A shallow copy of the forward with a KV cache of its own: the compile runs real
         steps, and they must not write into the conversation's cache."""
         impl, cache = self.target.impl, self.target.cache
         scratch = copy.copy(impl)
         scratch.cache = KVCache(cache.layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device,
                                 capacity=cache.capacity, max_positions=cache.max_positions)
-        for t in scratch.cache.k + scratch.cache.v:
-            torch._dynamo.mark_dynamic(t, 2)
-        for t in (scratch._cos, scratch._sin):
-            torch._dynamo.mark_dynamic(t, 0)
+        if dynamic:
+            for t in scratch.cache.k + scratch.cache.v:
+                torch._dynamo.mark_dynamic(t, 2)
+            for t in (scratch._cos, scratch._sin):
+                torch._dynamo.mark_dynamic(t, 0)
         return scratch
+
+    def _attempts(self) -> list[tuple[str, str]]:
+        """(backend, mode) in the order tried: an AOTInductor package first (it is kept on
+        disk), autotuned, then in inductor's default mode (autotuning fails in inductor on
+        some graphs, and the default mode still fuses the step); torch.compile last."""
+        aot = [self.mode] + (["default"] if self.mode != "default" else [])
+        return ([("aot", m) for m in aot] if self.package is not None else []) + [("jit", "default")]
 
     def _compile(self) -> None:
         t0 = time.perf_counter()
         try:
-            import torch._inductor.config as inductor_config
-            inductor_config.freezing = True
-            # Prepacked weights (mkldnn) make inductor's FX graph cache skip the graph
-            # ("mkldnn tensors unpickleable"), so every start compiles in full; without
-            # them a warm start reuses the generated code. Measured on the demo model, same
-            # run: 1.34x eager with prepacking, 1.20x without. The compile runs in the
-            # background either way, so the faster steady state wins.
-            inductor_config.cpp.weight_prepack = True
-            if self.cache_dir is not None and not _USER_CACHE_DIR:
-                self.cache_dir.mkdir(parents=True, exist_ok=True)
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
-            # max-autotune fails in inductor on some graphs (bf16 here: "AssertionError:
-            # buf17"); the default mode still fuses the step, so it is the fallback.
-            modes = [self.mode] + (["default"] if self.mode != "default" else [])
-            for i, mode in enumerate(modes):
-                try:
-                    self._fn = self._build(mode)
-                    self.mode = mode
-                    break
-                except Exception:
-                    if i == len(modes) - 1:
-                        raise
+            if self._load_package():
+                self.source = "cache"
+            elif not self.build:
+                self.state = "off"           # nothing cached, and building was not asked for
+                return
+            else:
+                self._fn = self._first_that_builds()
             self.seconds = time.perf_counter() - t0
             self.state = "ready"
         except Exception as exc:             # a compiler failure must never end the chat
-            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self.error = _why(exc)
             self.state = "failed"
 
-    def _build(self, mode: str):
+    def _load_package(self) -> bool:
+        """Use the package a previous start left, if it is there and computes this model's
+        step; a stale or unreadable one is deleted (and built again)."""
+        if self.package is None or not self.package.exists():
+            return False
+        try:
+            fn = _packaged(exported.Package(self.package))
+            self._check(fn)
+            self._fn = fn
+            return True
+        except Exception as exc:
+            self.notes.append(f"cached package unusable, rebuilding ({_why(exc)})")
+            self.package.unlink(missing_ok=True)
+            return False
+
+    def _first_that_builds(self):
+        global _building
+        _building = True
+        try:
+            return self._try_builds()
+        finally:
+            _building = False
+
+    def _try_builds(self):
+        attempts = self._attempts()
+        for i, (backend, mode) in enumerate(attempts):
+            try:
+                fn = self._build(backend, mode)
+                self._check(fn)
+                self.source = "built" if backend == "aot" else "jit"
+                self.mode = mode
+                return fn
+            except Exception as exc:
+                self.notes.append(f"{backend} {mode}: {_why(exc)}")
+                if i == len(attempts) - 1:
+                    raise
+
+    def _build(self, backend: str, mode: str):
+        import torch._inductor.config as inductor_config
+        if self.cache_dir is not None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        if backend == "aot":
+            scratch = self._scratch(dynamic=False)
+            exported.build(scratch, scratch.cache.k + scratch.cache.v, self.package, mode)
+            return _packaged(exported.Package(self.package))
+        inductor_config.freezing = True
+        # Prepacked weights (mkldnn) make inductor's FX graph cache skip the graph
+        # ("mkldnn tensors unpickleable"), so this path compiles in full on every start;
+        # the package above is what makes a second start fast.
+        inductor_config.cpp.weight_prepack = True
+        if self.cache_dir is not None and not _USER_CACHE_DIR:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
         fn = torch.compile(_own_step(), mode=mode, fullgraph=True)
         scratch = self._scratch()
         with torch.inference_mode():
@@ -237,16 +302,54 @@ class CompiledStep:
             ids = torch.zeros(1, dtype=torch.long, device=self.target.device)
             fn(scratch, ids, 1)          # the first graph, at one position
             fn(scratch, ids, 2)          # then the one with the position symbolic
-        return fn
+        return _guarded(fn)
+
+    def _check(self, fn) -> None:
+        """The compiled step must compute this model's step: one step on a scratch cache,
+        against the eager forward. A package built from other weights is off by about the
+        logits' own size (relative error ~1.4); float32 kernels round apart by ~1e-5 of it.
+        In bfloat16 the two part further (inductor keeps fused intermediates in float32,
+        the eager step rounds each to bf16: 0.24 measured on the demo model at this probe,
+        whose cache is empty), so the bound follows the activations' dtype."""
+        a, b = self._scratch(dynamic=False), self._scratch(dynamic=False)
+        with torch.inference_mode():
+            ids = torch.tensor([1], dtype=torch.long, device=self.target.device)
+            want = a(ids, exported.MIN_POS, False)
+            got = fn(b, ids, exported.MIN_POS)
+        err = float((got - want).norm() / want.norm().clamp_min(1e-12))
+        self.check_error = err
+        bound = 1e-2 if self.target.cache.dtype == torch.float32 else 0.6
+        if not err < bound:
+            raise ValueError(f"its logits are not this model's (relative error {err:.2g})")
 
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor | None:
         """The compiled step's logits, or None when the caller must run the eager step."""
-        if self.state != "ready":
+        if self.state != "ready" or pos < exported.MIN_POS:
             return None
         try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self._fn(self.target.impl, ids, pos)
+            return self._fn(self.target.impl, ids, pos)
         except Exception as exc:
             self.error = f"would recompile ({type(exc).__name__}: {exc}); decoding eagerly"
             self.state = "failed"
             return None
+
+
+def _packaged(package: "exported.Package"):
+    def step(impl, ids, pos):
+        return package(impl, ids, pos)
+    step.package = package
+    return step
+
+
+def _guarded(fn):
+    """A torch.compile'd step that never compiles on the user's time: a call whose guards
+    fail raises (and the caller decodes eagerly for good)."""
+    def step(impl, ids, pos):
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return fn(impl, ids, pos)
+    return step
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

@@ -223,6 +223,20 @@ def host_total() -> int:
         return 0
 
 
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated where `device` keeps tensors: free RAM on a CPU,
+    free device memory on CUDA; None where it cannot be told."""
+    try:
+        if device.type == "cpu":
+            import psutil
+            return psutil.virtual_memory().available
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+    except Exception:
+        pass
+    return None
+
+
 def peak_host_rss() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024

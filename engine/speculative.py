@@ -37,6 +37,10 @@ class PassCosts:
         self.alpha = smoothing
         self.t_draft: float | None = None
         self.t_pass: dict[int, float] = {}      # positions -> moving mean seconds
+        # Acceptance over every chat of this drafter: a new chat's starting guess. (A
+        # fixed 0.5 made new chats on an easy-to-guess model decline to draft until
+        # their own rate caught up.)
+        self.acceptance: float | None = None
         self._kernels: tuple[str, str] | None = None   # (target, drafter): eager | compiled
 
     def observe(self, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
@@ -48,8 +52,13 @@ class PassCosts:
         self.t_pass[n] = verify_seconds if old is None else old + self.alpha * (verify_seconds - old)
 
     def new_drafter(self) -> None:
-        """Another drafter: its cost is unknown; the target's pass times still hold."""
+        """Another drafter: its cost and acceptance are unknown; the target's pass times still hold."""
         self.t_draft = None
+        self.acceptance = None
+
+    def observe_acceptance(self, rate: float) -> None:
+        old = self.acceptance
+        self.acceptance = rate if old is None else old + self.alpha * (rate - old)
 
     def follow_kernels(self, target, drafter) -> None:
         """Forget what passes or drafts cost once a compiled step has gone live under them
@@ -94,6 +103,7 @@ class DraftController:
     def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         if drafted:
             self.a += self.alpha * (accepted / drafted - self.a)
+            self.costs.observe_acceptance(accepted / drafted)
         self.costs.observe(drafted, draft_seconds, verify_seconds)
 
     @property
@@ -143,6 +153,12 @@ class DraftController:
             # acceptance without betting a long one on a drafter that may be slow.
             self.k = min(self.first_k, self.max_draft)
             return self.k
+        if 1 not in self.t_pass:
+            # Every choice is measured against a plain step: measure one rather than
+            # extrapolate it from wider passes, which can be far off (a compiled one-token
+            # step that just went live costs half an eager verify pass).
+            self.k = 0
+            return 0
         t_draft = self.t_draft
         best_k, best = 0, expected_tokens(self.a, 0) / self.t_verify(1)
         for k in range(1, self.max_draft + 1):

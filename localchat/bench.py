@@ -13,7 +13,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from .cli import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, compile_mode, error, load_settings, open_engine,
+from .cli import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, error, load_settings, open_engine,
                   quiet_libraries)
 
 
@@ -145,7 +145,8 @@ def bench_main(argv: list[str]) -> int:
         return EXIT_USAGE
     quiet_libraries()
     try:
-        eng = open_engine(settings, compile=compile_mode(settings, interactive=False))
+        # A step going live mid-run would mix two speeds in one figure: auto stays eager here.
+        eng = open_engine(settings, compile="off" if settings.compile == "auto" else settings.compile)
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE

@@ -182,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def compile_mode(settings: config_mod.Settings, interactive: bool) -> str:
     """--compile auto compiles for the chat UI, whose sessions last long enough to gain
-    from it; a one-shot answer or a bench run does not spend minutes of CPU on a compile
-    it would not live to use (unless asked with --compile on)."""
+    from it; a one-shot answer does not spend minutes of CPU on a compile it would not live
+    to use (unless asked with --compile on), but loads a step an earlier start built
+    (seconds, in the background)."""
     if settings.compile == "auto":
-        return "auto" if interactive else "off"
+        return "auto" if interactive else "cached"
     return settings.compile
 
 

@@ -10,6 +10,7 @@ import torch
 
 import engine
 from engine import compiled
+from tiny import build_model
 
 PROMPT = "the cat sat on the mat and the dog"
 
@@ -51,22 +52,64 @@ def test_compiled_step_gives_the_eager_tokens(compiled_engine, eager_ids):
     assert torch.allclose(fast, slow, atol=1e-4, rtol=1e-4)
 
 
-def test_switch_mid_answer_keeps_the_text(tiny_llama, compile_cache, eager_ids):
-    # A second engine compiles again (from the warm cache); the answer starts eagerly and
-    # is paused until the compiled step is ready, so its rest runs compiled.
-    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", compile="on", cache_dir=compile_cache)
-    step = eng.target.compiled
+def test_a_second_start_loads_the_package_and_switches_mid_answer(compiled_engine, tiny_llama, compile_cache,
+                                                                  eager_ids):
+    # The first engine left its package on disk; a second start of the same model loads
+    # it instead of compiling. Started after the answer's first token, it goes live
+    # between two tokens, and the text is the eager one.
+    assert compiled_engine.target.compiled.source == "built"
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", cache_dir=compile_cache)
     chat = eng.chat()
     events = chat.send(PROMPT, max_new_tokens=40)
     first = next(events)
-    assert step.state == "compiling"      # the first token came from the eager step
-    # The compile pauses while an answer runs (it would starve it of the GIL); this answer
-    # is itself paused here, so let the compile finish as if the answer had ended.
-    compiled.resume()
-    assert step.wait(900), step.error
+    assert eng.start_compile(compile_cache)
+    step = eng.target.compiled
+    assert step.wait(120), step.error
+    assert step.source == "cache" and step.notes == []
     list(events)
     assert first is not None and chat.last_done.token_ids == eager_ids
     assert chat.last_stats.compile_state == "ready"
+
+
+def test_cached_mode_loads_a_built_step_and_never_builds_one(compiled_engine, tiny_llama, compile_cache, tmp_path):
+    # What a one-shot answer runs with --compile auto: the step an earlier start built, if any.
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", compile="cached", cache_dir=compile_cache)
+    assert eng.target.compiled.wait(120) and eng.target.compiled.source == "cache"
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", compile="cached", cache_dir=tmp_path)
+    step = eng.target.compiled
+    assert not step.wait(60) and step.state == "off"
+    assert not step.package.exists() and not compiled.busy()
+
+
+def _unloaded(tiny_llama, cache_dir, key):
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
+    step = compiled.CompiledStep(eng.target, cache_dir, key)
+    compiled._as_parameters(eng.target.impl)
+    return step
+
+
+def test_a_corrupt_or_stale_package_is_deleted_not_run(compiled_engine, tiny_llama, tokenizer, tmp_path):
+    import shutil
+    good = compiled_engine.target.compiled.package
+    # Bytes that are no package: the load fails, the file goes, and the step is built again.
+    step = _unloaded(tiny_llama, tmp_path, "corrupt")
+    step.package.parent.mkdir(parents=True)
+    step.package.write_bytes(b"not a zip" * 100)
+    assert step._load_package() is False and not step.package.exists()
+    assert "rebuilding" in step.notes[0]
+    # A package made from other weights of the same shapes (a model re-downloaded under
+    # the same name, a cache copied between machines): its logits give it away.
+    other = build_model(tmp_path / "other", seed=1, tokenizer=tokenizer)
+    step = _unloaded(other, tmp_path, "stale")
+    step.package.parent.mkdir(parents=True)
+    shutil.copy(good, step.package)
+    assert step._load_package() is False and not step.package.exists()
+    assert "not this model's" in step.notes[0]
+    # The right weights load.
+    step = _unloaded(tiny_llama, tmp_path, "good")
+    step.package.parent.mkdir(parents=True)
+    shutil.copy(good, step.package)
+    assert step._load_package() is True and step.notes == []
 
 
 def test_a_step_that_would_recompile_falls_back_to_eager(compiled_engine, eager_ids):
@@ -90,9 +133,9 @@ class ExplodingCompiler(compiled.CompiledStep):
     summoned on demand)."""
     tried: list[str]
 
-    def _build(self, mode):
-        self.tried = getattr(self, "tried", []) + [mode]
-        raise RuntimeError(f"inductor exploded in {mode}")
+    def _build(self, backend, mode):
+        self.tried = getattr(self, "tried", []) + [(backend, mode)]
+        raise RuntimeError(f"inductor exploded in {backend} {mode}")
 
 
 def test_a_failed_compile_leaves_eager_decoding(tiny_llama, tmp_path, eager_ids):
@@ -100,17 +143,20 @@ def test_a_failed_compile_leaves_eager_decoding(tiny_llama, tmp_path, eager_ids)
     step = eng.target.compiled = ExplodingCompiler(eng.target, tmp_path, "bad")
     step.start()
     assert not step.wait(60)
-    assert step.tried == [compiled.MODE, "default"]          # max-autotune, then the plain mode
-    assert step.state == "failed" and "exploded in default" in step.error
+    # A package autotuned, then in the plain mode, then torch.compile in the plain mode.
+    assert step.tried == [("aot", compiled.MODE), ("aot", "default"), ("jit", "default")]
+    assert step.state == "failed" and "exploded in jit default" in step.error
+    assert len(step.notes) == 3
     assert answer(eng)[0] == eager_ids
 
 
-def test_bfloat16_compiles_in_the_fallback_mode_if_max_autotune_fails(tiny_llama, compile_cache):
-    # max-autotune trips an inductor assertion on this bf16 graph (torch 2.13); the step
-    # still compiles, in the default mode, and answers.
+def test_bfloat16_builds_autotuned(tiny_llama, compile_cache):
+    # With epilogue fusion, max-autotune trips an inductor assertion on this bf16 graph
+    # (torch 2.13); the engine's mode leaves it out, so bf16 builds autotuned too.
     eng = engine.open(str(tiny_llama), dtype="bfloat16", drafter="none", compile="on", cache_dir=compile_cache)
     step = eng.target.compiled
     assert step.wait(900), step.error
+    assert step.source == "built" and step.mode == compiled.MODE, step.notes
     ids, stats = answer(eng)
     assert stats.compile_state == "ready" and len(ids) > 0
 
@@ -127,6 +173,7 @@ def test_quantized_target_and_its_drafter_compile(tiny_llama, compile_cache):
     assert step is not None and draft_step is not None
     assert step.wait(900), step.error
     assert draft_step.wait(900), draft_step.error
+    assert (step.source, draft_step.source) == ("built", "built"), step.notes + draft_step.notes
     # The packed weights became constants of the graph: their tensors are parameters.
     assert isinstance(eng.target.impl.layers[0].qkv.q, torch.nn.Parameter)
     ids, stats = answer(eng)
@@ -146,6 +193,16 @@ def test_streamed_targets_decode_eagerly(tiny_llama):
     assert getattr(eng.target, "compiled", None) is None
     with pytest.raises(engine.BadRequest, match="--compile"):
         engine.open(str(tiny_llama), compile="sometimes")
+
+
+def test_no_compile_without_memory_for_the_steps_own_weights(tiny_llama, tmp_path, monkeypatch):
+    # The compiled step keeps a repacked copy of the weights: with less free memory than
+    # that, the engine says so and decodes eagerly instead of risking the machine's memory.
+    from engine import hardware
+    monkeypatch.setattr(hardware, "available_memory", lambda device: 1 << 20)
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", cache_dir=tmp_path)
+    assert eng.start_compile(tmp_path) is False
+    assert eng.target.compiled is None and "GiB is free" in eng.compile_note
 
 
 def test_pass_costs_are_measured_afresh_when_a_step_goes_live():
@@ -172,7 +229,7 @@ class BusyCompile(compiled.CompiledStep):
         self.count = 0
         self.stop = threading.Event()
 
-    def _compile(self):
+    def _try_builds(self):
         kept = []
         while not self.stop.is_set():
             # Like a compiler building graphs, it keeps what it allocates, so collections
@@ -181,7 +238,6 @@ class BusyCompile(compiled.CompiledStep):
             if len(kept) > 1000:
                 kept = []
             self.count += 1
-        self.state = "ready"
 
 
 def wait_until(condition, seconds=10.0):
@@ -221,3 +277,4 @@ def test_cache_key_separates_what_a_graph_is_valid_for():
     assert a == compiled.cache_key("m", torch.float32, "exact", torch.device("cpu"))
     assert a != compiled.cache_key("m", torch.bfloat16, "exact", torch.device("cpu"))
     assert a != compiled.cache_key("other", torch.float32, "exact", torch.device("cpu"))
+    assert a != compiled.cache_key("m", torch.float32, "exact", torch.device("cpu"), stamp="weights v2")

@@ -217,6 +217,31 @@ def test_controller_picks_plain_decoding_when_drafting_does_not_pay():
     assert c.choose() >= 4
 
 
+def test_controller_measures_a_plain_step_before_weighing_drafts():
+    # Only a 3-position pass measured (the first draft round, or costs forgotten when a
+    # compiled step went live): extrapolated, a plain step would look as dear as a verify
+    # pass; the controller takes one plain step to measure it instead.
+    c = DraftController(max_draft=8, prior_acceptance=0.6)
+    c.t_draft, c.t_pass = 0.002, {3: 0.030}
+    assert c.choose() == 0
+    c.observe(0, 0, 0.0, 0.010)                 # a compiled plain step: a third of the verify pass
+    assert c.t_pass[1] == 0.010
+    assert c.choose() == 0                      # 1.6 tokens for 34 ms loses to 1 for 10 ms
+    c.t_pass[1] = 0.028                         # an eager plain step, as dear as the verify pass
+    assert c.choose() > 0
+
+
+def test_a_new_chat_starts_from_the_acceptance_earlier_chats_measured(tiny_llama):
+    eng = engine.open(str(tiny_llama), drafter="model", draft_model=str(tiny_llama), dtype="float32")
+    assert eng.new_controller().a == 0.5        # nothing measured: the prior
+    chat = eng.chat()
+    list(chat.send("the cat sat on the mat", max_new_tokens=40))
+    assert chat.last_stats.drafted_tokens > 0 and eng.costs.acceptance == pytest.approx(1.0)   # it drafts for itself
+    assert eng.new_controller().a == pytest.approx(1.0)
+    eng.set_drafter("ngram")                     # another drafter: its acceptance is unknown
+    assert eng.new_controller().a == 0.5
+
+
 def test_controller_probes_again_after_a_plain_streak():
     c = DraftController(max_draft=8, prior_acceptance=0.05, probe_every=4)
     c.t_pass = {n: 0.01 * n for n in range(1, 10)}
