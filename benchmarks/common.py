@@ -36,3 +36,16 @@ def write_json(path: str | Path, data: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
+
+
+def read_bandwidth(gib: float = 1.0, reps: int = 7) -> float:
+    """Memory read bandwidth in bytes/s as a decode step sees it: the median time to sum a
+    float32 tensor far larger than the caches, on the threads torch uses."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / median(times)

@@ -80,7 +80,8 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
     out = {"benchmark": "compiled_divergence", "model": eager.name, "tokens": args.tokens,
-           "compile_state": step.state, "compile_mode": step.mode, "compile_error": step.error,
+           "compile_state": step.state, "compile_mode": step.mode, "compile_source": step.source,
+           "compile_error": step.error,
            "machine": machine(), "rows": rows}
     print("wrote", write_json(args.out, out))
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine  # noqa: E402
-from common import machine, median, write_json  # noqa: E402
+from common import machine, median, read_bandwidth, write_json  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -119,9 +119,12 @@ def main() -> None:
             comp.stop_ids = frozenset()
             comp.target.compiled.wait()
             contenders["compiled"] = lambda: ours_once(comp, args.tokens)
+        bw = read_bandwidth()
         m = interleaved(args.runs, contenders)
+        bw = median([bw, read_bandwidth()])
         ref = generic = contenders = None     # free their weights before the next dtype
-        row = {"dtype": dtype, "generate_tps": m["generate"], "ours_tps": m["ours"],
+        row = {"dtype": dtype, **bound_fields(bw, eng.target.weight_bytes(), m),
+               "generate_tps": m["generate"], "ours_tps": m["ours"],
                "ours_generic_forward_tps": m["generic"], "speedup_vs_generate": m["ours"] / m["generate"],
                "generic_speedup_vs_generate": m["generic"] / m["generate"]}
         if comp is not None:
@@ -196,16 +199,28 @@ def quantized_row(fmt: str, args) -> dict:
         comp.stop_ids = frozenset()
         comp.target.compiled.wait()
         contenders["compiled"] = lambda: ours_once(comp, args.tokens)
+    bw = read_bandwidth()
     m = interleaved(args.runs, contenders)
+    bw = median([bw, read_bandwidth()])
     q = eng.target.quant
     row = {"weights": fmt + (f" g{q.group_size}" if q.group_size else ""),
-           "act_dtype": str(q.act_dtype).replace("torch.", ""), "weight_bytes": eng.target.weight_bytes(),
+           **bound_fields(bw, eng.target.weight_bytes(), m),
+           "act_dtype": str(q.act_dtype).replace("torch.", ""),
            "generate_float32_tps": m["generate"], "eager_tps": m["eager"],
            "eager_vs_generate_float32": m["eager"] / m["generate"]}
     if comp is not None:
         row.update(compiled_fields(comp.target.compiled, m, "eager"),
                    compiled_vs_generate_float32=m["compiled"] / m["generate"])
     return row
+
+
+def bound_fields(bandwidth: float, weight_bytes: int, m: dict) -> dict:
+    """The bandwidth bound (a step reads every weight once: bytes / measured read
+    bandwidth, before and after the run) and each contender of ours as a fraction of it."""
+    bound = bandwidth / weight_bytes
+    out = {"bandwidth_gbps": bandwidth / 1e9, "weight_bytes": weight_bytes, "bound_tps": bound}
+    out.update({f"{k}_vs_bound": v / bound for k, v in m.items() if k != "generate"})
+    return out
 
 
 def fresh_cache() -> Path:

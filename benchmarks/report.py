@@ -8,20 +8,34 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def decode_table(d: dict) -> str:
-    comp = any("compiled_tps" in r for r in d["rows"])
-    lines = ["| dtype | `generate()` tok/s | localchat tok/s | speed-up | generic forward tok/s |"
-             + (" compiled step tok/s | vs eager | vs `generate()` | compile s |" if comp else ""),
-             "|---|---|---|---|---|" + ("---|---|---|---|" if comp else "")]
+    """One row per exact dtype and per quantized format: eager and compiled, against
+    float32 (or same-dtype) generate() and the bandwidth bound of the same run."""
+    lines = ["| weights | `generate()` tok/s | localchat eager tok/s | vs `generate()` | compiled step tok/s "
+             "| vs eager | vs `generate()` | bound tok/s (GB/s) | compiled vs bound | build s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
-        line = (f"| {r['dtype']} | {r['generate_tps']:.1f} | **{r['ours_tps']:.1f}** | "
-                f"**{r['speedup_vs_generate']:.2f}×** | {r['ours_generic_forward_tps']:.1f} "
-                f"({r['generic_speedup_vs_generate']:.2f}×) |")
+        name = r.get("dtype") or f"{r['weights']} ({r['act_dtype']} act.; vs float32 `generate()`)"
+        gen = r.get("generate_tps") or r["generate_float32_tps"]
+        eager = r.get("ours_tps") or r["eager_tps"]
+        line = f"| {name} | {gen:.1f} | **{eager:.1f}** | {eager / gen:.2f}× |"
         if "compiled_tps" in r:
             line += (f" **{r['compiled_tps']:.1f}** | {r['compiled_speedup_vs_eager']:.2f}× | "
-                     f"{r['compiled_speedup_vs_generate']:.2f}× | {r['compile_seconds']:.0f} |")
-        elif comp:
-            line += " – | – | – | – |"
+                     f"**{r['compiled_tps'] / gen:.2f}×** |")
+        else:
+            line += " – | – | – |"
+        if "bound_tps" in r:
+            line += f" {r['bound_tps']:.1f} ({r['bandwidth_gbps']:.1f}) | {r.get('compiled_vs_bound', 0):.2f}× |"
+        else:
+            line += " – | – |"
+        line += f" {r['compile_seconds']:.0f} |" if "compile_seconds" in r else " – |"
         lines.append(line)
+    starts = [(r["dtype"], r["starts"]) for r in d["rows"] if "starts" in r]
+    if starts:
+        lines += ["", "| dtype | first token, eager engine | first token, cold start (build behind it) "
+                  "| warm start: model open | then compiled step live after |", "|---|---|---|---|---|"]
+        for name, s in starts:
+            lines.append(f"| {name} | {s['eager_ttft_s'] * 1000:.0f} ms | {s['cold_compile_ttft_s'] * 1000:.0f} ms | "
+                         f"{s['warm_open_s']:.1f} s | **{s['warm_compiled_live_after_open_s']:.1f} s** |")
     ttft = next((r["ttft"] for r in d["rows"] if "ttft" in r), None)
     if ttft:
         lines.append("")

@@ -140,6 +140,13 @@ def weights_stamp(path: Path) -> str:
     return ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
 
 
+def cached_steps(root: Path) -> list[tuple[Path, int]]:
+    """The packages built under the cache dir `root`, with their sizes (each holds a copy
+    of its model's weights: `localchat doctor` shows where the disk went)."""
+    folder = Path(root) / "inductor"
+    return [(p, p.stat().st_size) for p in sorted(folder.glob("*/step.pt2"))] if folder.is_dir() else []
+
+
 def _as_parameters(impl) -> None:
     """Freezing folds parameters into the graph (plain tensors reached through Python
     objects would stay graph inputs, and their GEMMs unpacked). The data is shared."""
@@ -248,9 +255,7 @@ class CompiledStep:
         if self.package is None or not self.package.exists():
             return False
         try:
-            fn = _packaged(exported.Package(self.package))
-            self._check(fn)
-            self._fn = fn
+            self._fn = self._open_package()
             return True
         except Exception as exc:
             self.notes.append(f"cached package unusable, rebuilding ({_why(exc)})")
@@ -270,7 +275,6 @@ class CompiledStep:
         for i, (backend, mode) in enumerate(attempts):
             try:
                 fn = self._build(backend, mode)
-                self._check(fn)
                 self.source = "built" if backend == "aot" else "jit"
                 self.mode = mode
                 return fn
@@ -285,8 +289,13 @@ class CompiledStep:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         if backend == "aot":
             scratch = self._scratch(dynamic=False)
-            exported.build(scratch, scratch.cache.k + scratch.cache.v, self.package, mode)
-            return _packaged(exported.Package(self.package))
+            exported.build(scratch, scratch.cache.k + scratch.cache.v, self.package, mode,
+                           private_cache=not _USER_CACHE_DIR)
+            try:
+                return self._open_package()
+            except Exception:
+                self.package.unlink(missing_ok=True)   # a miscompile is not kept for the next start
+                raise
         inductor_config.freezing = True
         # Prepacked weights (mkldnn) make inductor's FX graph cache skip the graph
         # ("mkldnn tensors unpickleable"), so this path compiles in full on every start;
@@ -302,7 +311,20 @@ class CompiledStep:
             ids = torch.zeros(1, dtype=torch.long, device=self.target.device)
             fn(scratch, ids, 1)          # the first graph, at one position
             fn(scratch, ids, 2)          # then the one with the position symbolic
-        return _guarded(fn)
+        fn = _guarded(fn)
+        self._check(fn)
+        return fn
+
+    def _open_package(self):
+        """The package at self.package, loaded and checked; its unpacked files are removed
+        once the check has run it (the step lives in memory from then on)."""
+        package = exported.Package(self.package)
+        try:
+            fn = _packaged(package)
+            self._check(fn)
+            return fn
+        finally:
+            package.release_files()
 
     def _check(self, fn) -> None:
         """The compiled step must compute this model's step: one step on a scratch cache,
@@ -329,7 +351,7 @@ class CompiledStep:
         try:
             return self._fn(self.target.impl, ids, pos)
         except Exception as exc:
-            self.error = f"would recompile ({type(exc).__name__}: {exc}); decoding eagerly"
+            self.error = f"the compiled step stopped ({type(exc).__name__}: {exc}); decoding eagerly"
             self.state = "failed"
             return None
 

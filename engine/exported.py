@@ -6,7 +6,7 @@ from scratch on every start: about three minutes on a small CPU before decoding 
 its compiled speed. An AOTInductor package is the same inductor code (same freezing,
 same autotuned kernels) built into a shared library, with the repacked weights as its
 constants: it is compiled once per machine and model, and a later start loads it in
-about two seconds.
+seconds (demo model: 2-5 s on two cores, against ~2 min to build).
 
 What is exported is `_StepModule`: one token at a position `pos >= 2` over the
 conversation's own KV cache. The position travels as the length of a `marker` view
@@ -16,13 +16,17 @@ position and a cache that has grown. The cache is written in place, as the eager
 writes it.
 
 The package holds a copy of the weights (repacked, so they cannot be the checkpoint's
-own): on disk it is about the size of the resident weights.
+own): on disk it is about the size of the resident weights. Building and loading leave
+nothing else behind: the build's working files and the unpacked package are removed when
+done, and what a process that left with os._exit could not remove is swept by the next.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -117,24 +121,76 @@ def _marker(pos: int, device) -> torch.Tensor:
     return torch.empty(1, device=device).expand(pos)
 
 
-def build(impl, kv: list[torch.Tensor], path: Path, mode: str) -> None:
+def build(impl, kv: list[torch.Tensor], path: Path, mode: str, private_cache: bool = True) -> None:
     """Export the step over the scratch cache `kv` and compile it into the package at
     `path` (written under a temporary name first: a crash leaves no half package)."""
     from torch.export import Dim, export
 
+    _sweep(path.parent)
     cap, rope, pos = Dim("capacity", min=MIN_POS + 1, max=_MAX), Dim("rope", min=MIN_POS + 1, max=_MAX), \
         Dim("pos", min=MIN_POS, max=_MAX - 1)
     ids = torch.zeros(1, dtype=torch.long, device=kv[0].device)
     args = (ids, torch.empty(MIN_POS, device=ids.device), impl._cos, impl._sin, *kv)
     shapes = {"ids": None, "marker": {0: pos}, "cos": {0: rope}, "sin": {0: rope}, "kv": tuple({2: cap} for _ in kv)}
-    ep = export(_StepModule(impl), args, dynamic_shapes=shapes, strict=False)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.partial.pt2")
+    # Inductor writes the build's code and a copy of the weights into its cache dir; kept,
+    # that would be another copy of the model per build (gigabytes in /tmp): unless the
+    # user chose a TORCHINDUCTOR_CACHE_DIR, this build gets a directory of its own,
+    # removed when it is done.
+    work = path.parent / f".build-{os.getpid()}"
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if private_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work)
     try:
+        ep = export(_StepModule(impl), args, dynamic_shapes=shapes, strict=False)
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs={
             "freezing": True, "cpp.weight_prepack": True, **MODES[mode]})
         os.replace(tmp, path)
     finally:
+        if private_cache:
+            _restore("TORCHINDUCTOR_CACHE_DIR", old)
+            shutil.rmtree(work, ignore_errors=True)
         tmp.unlink(missing_ok=True)
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _sweep(folder: Path) -> None:
+    """Remove what builds of processes that are gone left behind (a process that leaves
+    with os._exit mid-build cannot clean up): their half packages and build dirs."""
+    for p in list(folder.glob(".build-*")) + list(folder.glob(".*.partial.pt2")):
+        try:
+            pid = int(p.name.split("-")[-1] if p.name.startswith(".build-") else p.name.split(".")[2])
+        except (ValueError, IndexError):
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _sweep_unpacked() -> None:
+    """Unpacked packages of processes that left mid-load (os._exit skips every cleanup)."""
+    for p in Path(tempfile.gettempdir()).glob("localchat-step-*-*"):
+        try:
+            pid = int(p.name.split("-")[2])
+        except (ValueError, IndexError):
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Package:
@@ -142,7 +198,24 @@ class Package:
 
     def __init__(self, path: Path):
         self.path = path
-        self._run = torch._inductor.aoti_load_package(str(path))
+        # The loader unpacks the package (the weights included) into a temporary directory
+        # and removes it only when the loaded model is destroyed, which a process that
+        # leaves with os._exit never does: unpack into a directory of our own instead, and
+        # remove it once the step has run (release_files), when nothing needs the files.
+        _sweep_unpacked()
+        self._unpacked = Path(tempfile.mkdtemp(prefix=f"localchat-step-{os.getpid()}-"))
+        old = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = str(self._unpacked)
+        try:
+            self._run = torch._inductor.aoti_load_package(str(path))
+        except BaseException:
+            self.release_files()
+            raise
+        finally:
+            _restore("TMPDIR", old)
+
+    def release_files(self) -> None:
+        shutil.rmtree(self._unpacked, ignore_errors=True)
 
     def __call__(self, impl, ids: torch.Tensor, pos: int) -> torch.Tensor:
         impl._rope(pos, 1, impl.norm)       # the table must reach pos (it grows, rarely)

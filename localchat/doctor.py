@@ -113,10 +113,13 @@ def doctor_main(argv: list[str]) -> int:
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
+    from engine import compiled
+    steps = compiled.cached_steps(checkpoint.default_cache_dir())
     if args.json:
         out = {"hardware": _hw_dict(hw), "model": {"name": ckpt.name, "path": str(ckpt.path),
                                                    "params": shape.params, "dtype_bytes": shape.dtype_bytes},
-               "plan": plan.as_dict(), "fidelity": {k: v.as_dict() for k, v in fid.items()}}
+               "plan": plan.as_dict(), "fidelity": {k: v.as_dict() for k, v in fid.items()},
+               "compiled_steps": [{"path": str(p), "bytes": n} for p, n in steps]}
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print(_hw_text(hw))
@@ -130,6 +133,9 @@ def doctor_main(argv: list[str]) -> int:
     hint = _self_drafter_hint(plan, shape, settings)
     if hint:
         print(hint)
+    if steps:
+        print(f"Compiled decode steps: {len(steps)} built, {human_bytes(sum(n for _, n in steps))} in "
+              f"{steps[0][0].parent.parent} (each holds a copy of its model's weights; delete a folder to reclaim it)")
     return EXIT_OK
 
 

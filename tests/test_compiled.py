@@ -2,8 +2,10 @@
 through the real torch.compile path (inductor, max-autotune, freezing; ~15-40 s on two
 cores, once per session: the cache dir is shared), then used between tokens without
 changing a token; failures fall back to eager decoding."""
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +83,40 @@ def test_cached_mode_loads_a_built_step_and_never_builds_one(compiled_engine, ti
     assert not step.package.exists() and not compiled.busy()
 
 
+def test_doctor_shows_the_built_steps_and_their_size(compiled_engine, tiny_llama, compile_cache):
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, LOCALCHAT_CACHE_DIR=str(compile_cache))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "localchat", "doctor", "--model", str(tiny_llama), *a],
+                                    capture_output=True, timeout=300, env=env)   # noqa: E731
+    out = json.loads(run("--json").stdout)
+    package = compiled_engine.target.compiled.package
+    assert {"path": str(package), "bytes": package.stat().st_size} in out["compiled_steps"]
+    text = run().stdout.decode()
+    assert "Compiled decode steps:" in text and str(package.parent.parent) in text
+
+
+def test_leftovers_of_processes_that_are_gone_are_swept(tmp_path):
+    # A process that leaves with os._exit mid-build or mid-load cannot clean up; the next
+    # build or load removes what it left (never what a live process is using).
+    import tempfile
+    from engine import exported
+    gone, alive = 4_999_999, os.getpid()       # above any pid_max: no such process
+    build_dir, half = tmp_path / f".build-{gone}", tmp_path / f".step.{gone}.partial.pt2"
+    mine = tmp_path / f".build-{alive}"
+    for d in (build_dir, mine):
+        d.mkdir()
+    half.write_bytes(b"x")
+    exported._sweep(tmp_path)
+    assert not build_dir.exists() and not half.exists() and mine.exists()
+    unpacked = Path(tempfile.gettempdir()) / f"localchat-step-{gone}-abc"
+    unpacked.mkdir(exist_ok=True)
+    exported._sweep_unpacked()
+    assert not unpacked.exists()
+
+
 def _unloaded(tiny_llama, cache_dir, key):
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
     step = compiled.CompiledStep(eng.target, cache_dir, key)
@@ -112,7 +148,10 @@ def test_a_corrupt_or_stale_package_is_deleted_not_run(compiled_engine, tiny_lla
     assert step._load_package() is True and step.notes == []
 
 
-def test_a_step_that_would_recompile_falls_back_to_eager(compiled_engine, eager_ids):
+def test_a_step_that_fails_at_run_time_falls_back_to_eager(compiled_engine, eager_ids):
+    # A torch.compile step whose guards would fail, a package that raises: the answer goes
+    # on eagerly (the failed step may have written this position's keys; the eager step
+    # writes them again), and the step stays off.
     step = compiled_engine.target.compiled
 
     def would_recompile(*args):
@@ -122,7 +161,7 @@ def test_a_step_that_would_recompile_falls_back_to_eager(compiled_engine, eager_
     try:
         ids, stats = answer(compiled_engine)
         assert ids == eager_ids
-        assert step.state == "failed" and "would recompile" in step.error
+        assert step.state == "failed" and "Detected recompile" in step.error and "decoding eagerly" in step.error
         assert stats.compile_state == "failed"
     finally:
         step._fn, step.state, step.error = good, "ready", ""
