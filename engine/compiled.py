@@ -320,9 +320,8 @@ class CompiledStep:
         once the check has run it (the step lives in memory from then on)."""
         package = exported.Package(self.package)
         try:
-            fn = _packaged(package)
-            self._check(fn)
-            return fn
+            self._check(package)
+            return package
         finally:
             package.release_files()
 
@@ -354,13 +353,6 @@ class CompiledStep:
             self.error = f"the compiled step stopped ({type(exc).__name__}: {exc}); decoding eagerly"
             self.state = "failed"
             return None
-
-
-def _packaged(package: "exported.Package"):
-    def step(impl, ids, pos):
-        return package(impl, ids, pos)
-    step.package = package
-    return step
 
 
 def _guarded(fn):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -132,7 +133,7 @@ def build(impl, kv: list[torch.Tensor], path: Path, mode: str, private_cache: bo
     ids = torch.zeros(1, dtype=torch.long, device=kv[0].device)
     args = (ids, torch.empty(MIN_POS, device=ids.device), impl._cos, impl._sin, *kv)
     shapes = {"ids": None, "marker": {0: pos}, "cos": {0: rope}, "sin": {0: rope}, "kv": tuple({2: cap} for _ in kv)}
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.partial.pt2")
+    tmp = path.with_name(f".{path.stem}-{os.getpid()}.partial.pt2")
     # Inductor writes the build's code and a copy of the weights into its cache dir; kept,
     # that would be another copy of the model per build (gigabytes in /tmp): unless the
     # user chose a TORCHINDUCTOR_CACHE_DIR, this build gets a directory of its own,
@@ -163,24 +164,20 @@ def _restore(name: str, value: str | None) -> None:
 def _sweep(folder: Path) -> None:
     """Remove what builds of processes that are gone left behind (a process that leaves
     with os._exit mid-build cannot clean up): their half packages and build dirs."""
-    for p in list(folder.glob(".build-*")) + list(folder.glob(".*.partial.pt2")):
-        try:
-            pid = int(p.name.split("-")[-1] if p.name.startswith(".build-") else p.name.split(".")[2])
-        except (ValueError, IndexError):
-            continue
-        if pid != os.getpid() and not _alive(pid):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    _remove_if_dead([*folder.glob(".build-*"), *folder.glob(".*-*.partial.pt2")])
 
 
 def _sweep_unpacked() -> None:
     """Unpacked packages of processes that left mid-load (os._exit skips every cleanup)."""
-    for p in Path(tempfile.gettempdir()).glob("localchat-step-*-*"):
-        try:
-            pid = int(p.name.split("-")[2])
-        except (ValueError, IndexError):
-            continue
-        if pid != os.getpid() and not _alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
+    _remove_if_dead(Path(tempfile.gettempdir()).glob("localchat-step-*"))
+
+
+def _remove_if_dead(paths) -> None:
+    # Every leftover is named "<what>-<pid>...": the pid says whether its owner still runs.
+    for p in paths:
+        m = re.search(r"-(\d+)", p.name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

@@ -104,7 +104,7 @@ def test_leftovers_of_processes_that_are_gone_are_swept(tmp_path):
     import tempfile
     from engine import exported
     gone, alive = 4_999_999, os.getpid()       # above any pid_max: no such process
-    build_dir, half = tmp_path / f".build-{gone}", tmp_path / f".step.{gone}.partial.pt2"
+    build_dir, half = tmp_path / f".build-{gone}", tmp_path / f".step-{gone}.partial.pt2"
     mine = tmp_path / f".build-{alive}"
     for d in (build_dir, mine):
         d.mkdir()
