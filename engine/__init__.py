@@ -23,7 +23,7 @@ from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
 from .sampling import SamplingParams
 from .session import Chat
 from .speculative import DraftController, PassCosts
-from . import compiled
+from . import compiled, exported
 from .target.resident import ResidentTarget, checkpoint_dtype, load_resident
 from .target.quantized import load_quantized
 from .target.streamed import load_streamed
@@ -63,6 +63,7 @@ class Engine:
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
         self.costs = PassCosts()               # measured by every chat, shared by all
         self.compile_note = ""
+        self._compile_args: tuple[Path, bool] | None = None    # (cache root, build) once compiling is on
 
     def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
                     cache_dir: Path | None = None, fast: bool = True, weights: str = "auto") -> None:
@@ -95,6 +96,11 @@ class Engine:
             name = dckpt.name + ("" if weights == "exact" else f" ({weights})")
             self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size, dckpt.path)
         self.costs.new_drafter()
+        step = getattr(self.target, "compiled", None)
+        if step is not None:
+            # Compiling is on: the new drafter's step, and the verify buckets it fills.
+            step.want_rows(self._verify_rows())
+            self._compile_drafter(*self._compile_args)
 
     def start_compile(self, cache_dir: Path | None = None, build: bool = True) -> bool:
         """Compile the decode step of the target, then of a model drafter, in the
@@ -106,17 +112,28 @@ class Engine:
             self.compile_note = f"the {_weights_label(t)} {t.kind} target decodes eagerly"
             return False
         root = cache_dir or _checkpoint.default_cache_dir()
+        self._compile_args = (root, build)
         if t.compiled is None:
-            short = _no_room_to_compile(t)
+            short, rows = _no_room_to_compile(t), self._verify_rows()
             if short:
+                # Verify passes run on the forward's own weights: they need no room.
                 self.compile_note = f"the target decodes eagerly: {short}"
-                return False
+                if not rows:
+                    return False
             t.compiled = compiled.CompiledStep(t, root, compiled.cache_key(
                 self.name, self.dtype, _weights_label(t), self.device, compiled.weights_stamp(self.checkpoint.path)),
-                build=build)
+                build=build, rows=rows, step=not short)
             t.compiled.start()
         self._compile_drafter(root, build)
         return True
+
+    def _verify_rows(self) -> tuple[int, ...]:
+        """The verify-pass buckets worth compiling for this drafter: those a draft of up
+        to max_draft tokens fills (a wider bucket would mostly verify padding)."""
+        if self.drafter.kind == "none":
+            return ()
+        widest = (self.draft_tokens if self.draft_tokens is not None else self.max_draft) + 1
+        return tuple(r for r in exported.VERIFY_ROWS if r <= widest)
 
     def _compile_drafter(self, root: Path, build: bool) -> None:
         d = self.drafter
@@ -275,8 +292,8 @@ def _compilable(target) -> bool:
 def _no_room_to_compile(target) -> str:
     """Why memory is too short for a compiled step ("" when it is not). The step keeps a
     copy of the weights of its own, repacked for its kernels, beside the eager forward's
-    (verify passes and prefill still run eagerly): about the weights' size again, in RAM on
-    a CPU, on the device on a GPU."""
+    (prefill runs eagerly, verify passes on the forward's weights): about the weights' size
+    again, in RAM on a CPU, on the device on a GPU."""
     need = int(target.weight_bytes() * 1.1) + (256 << 20)
     free = hardware.available_memory(target.device)
     if free is None or free >= need:

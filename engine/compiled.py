@@ -18,7 +18,12 @@ package is deleted and built again. When no package can be built, `torch.compile
 the same function is the fallback (its prepacked graphs cannot be cached: it compiles in
 full at every start); it runs with the compiler's `fail_on_recompile` stance, so a call
 whose guards would fail falls back to the eager step for good instead of compiling on the
-user's time. Verify passes (several positions) stay eager.
+user's time.
+
+Verify passes of a speculative round are compiled too, after the step, in buckets of
+positions (exported.VERIFY_ROWS: a pass of n runs in the smallest bucket that holds it,
+padded). They are packages built without weights that run on the forward's own tensors,
+so they cost no memory beyond the forward's; a chat uses each bucket as it goes live.
 """
 from __future__ import annotations
 
@@ -63,7 +68,7 @@ _answering = 0
 _lock = threading.Lock()
 # Steps are compiled one after another by one worker thread (a target's step, then its
 # drafter's): two compiles at once would only share the same cores.
-_queue: "queue.Queue[CompiledStep]" = queue.Queue()
+_queue: "queue.Queue[tuple]" = queue.Queue()        # (job, its done event)
 _worker: threading.Thread | None = None
 _pending = 0
 # Only building parks: loading a package from disk takes a second or two, mostly outside
@@ -102,16 +107,16 @@ def busy() -> bool:
 def _work() -> None:
     global _pending
     while True:
-        step = _queue.get()
+        job, done = _queue.get()
         try:
-            step._compile()
+            job()
         finally:
             with _lock:
                 _pending -= 1
-            step._done.set()
+            done.set()
 
 
-def _submit(step: "CompiledStep") -> None:
+def _submit(job, done: threading.Event) -> None:
     global _worker, _pending
     with _lock:
         _pending += 1
@@ -120,7 +125,7 @@ def _submit(step: "CompiledStep") -> None:
             if _yield_to_answers not in gc.callbacks:
                 gc.callbacks.append(_yield_to_answers)
             _worker.start()
-    _queue.put(step)
+    _queue.put((job, done))
 
 
 def cache_key(name: str, dtype: torch.dtype, weights: str, device: torch.device, stamp: str = "") -> str:
@@ -144,7 +149,7 @@ def cached_steps(root: Path) -> list[tuple[Path, int]]:
     """The packages built under the cache dir `root`, with their sizes (each holds a copy
     of its model's weights: `localchat doctor` shows where the disk went)."""
     folder = Path(root) / "inductor"
-    return [(p, p.stat().st_size) for p in sorted(folder.glob("*/step.pt2"))] if folder.is_dir() else []
+    return [(p, p.stat().st_size) for p in sorted(folder.glob("*/*.pt2"))] if folder.is_dir() else []
 
 
 def _as_parameters(impl) -> None:
@@ -185,8 +190,10 @@ class CompiledStep:
     running step came from: "cache" (a package loaded from disk), "built" (compiled now
     and packaged) or "jit" (torch.compile, when no package could be made)."""
 
-    def __init__(self, target, cache_dir: Path | None, key: str, mode: str = MODE, build: bool = True):
+    def __init__(self, target, cache_dir: Path | None, key: str, mode: str = MODE, build: bool = True,
+                 rows: tuple[int, ...] = (), step: bool = True):
         self.target = target
+        self.step = step                 # False: verify passes only (no memory for the step's own weights)
         self.build = build               # False: only load a package an earlier start built
         self.mode = mode
         self.state = "compiling"
@@ -199,18 +206,31 @@ class CompiledStep:
         self.check_error = None          # the live step's relative logit error against eager (_check)
         self._fn = None
         self._done = threading.Event()
+        # Verify passes (exported.VERIFY_ROWS buckets), built after the step: those live
+        # so far, by rows. They run on the forward's own weights (no copy).
+        self.rows = tuple(rows) if self.cache_dir is not None else ()
+        self.passes: dict[int, exported.Package] = {}
+        self.passes_error = ""
+        self._passes_done = threading.Event()
+        self._gave_up: set[int] = set()          # buckets that failed, or were not cached (build=False)
 
     def start(self) -> None:
         impl = self.target.impl
         _as_parameters(impl)
         # The rotary table the real step will read: built now, shared with the scratch copy.
         impl._rope(0, self.target.cache.capacity, impl.norm)
-        _submit(self)
+        _submit(self._compile, self._done)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the compile ends (tests and benchmarks); True when it is ready."""
         self._done.wait(timeout)
         return self.state == "ready"
+
+    def wait_passes(self, timeout: float | None = None) -> bool:
+        """Block until the verify passes are built or loaded (or given up on); True when
+        every bucket is live."""
+        self._passes_done.wait(timeout)
+        return bool(self.rows) and all(r in self.passes for r in self.rows)
 
     def _scratch(self, dynamic: bool = True):
         """A shallow copy of the forward with a KV cache of its own: the compile runs real
@@ -236,18 +256,89 @@ class CompiledStep:
     def _compile(self) -> None:
         t0 = time.perf_counter()
         try:
-            if self._load_package():
+            if not self.step:
+                self.state = "off"
+            elif self._load_package():
                 self.source = "cache"
             elif not self.build:
                 self.state = "off"           # nothing cached, and building was not asked for
-                return
             else:
                 self._fn = self._first_that_builds()
+            if self.state == "off":
+                return
             self.seconds = time.perf_counter() - t0
             self.state = "ready"
         except Exception as exc:             # a compiler failure must never end the chat
             self.error = _why(exc)
             self.state = "failed"
+        finally:
+            # The verify passes queue behind whatever is queued now (a drafter's step):
+            # the step gains more per second of compiling. A compiler that failed on the
+            # step is not asked for more.
+            if self.rows and self.state != "failed":
+                _submit(self._compile_passes, self._passes_done)
+            else:
+                self._passes_done.set()
+
+    def want_rows(self, rows: tuple[int, ...]) -> None:
+        """Compile these verify buckets too (another drafter drafts longer, or at all)."""
+        more = [r for r in rows if r not in self.rows]
+        if not more or self.cache_dir is None or self.state == "failed":
+            return
+        self.rows = tuple(sorted({*self.rows, *more}))
+        if self.state != "compiling":        # else the step's job queues the passes when it ends
+            self._passes_done = threading.Event()
+            _submit(self._compile_passes, self._passes_done)
+
+    def _compile_passes(self) -> None:
+        for rows in [r for r in self.rows if r not in self.passes and r not in self._gave_up]:
+            path = self.cache_dir / f"verify-{rows}.pt2"
+            try:
+                package = self._load_pass(path, rows)
+                if package is None and self.build:
+                    package = self._build_pass(path, rows)
+            except Exception as exc:         # the next bucket would fail the same way
+                self.passes_error = f"verify pass of {rows}: {_why(exc)}"
+                self._gave_up.update(self.rows)
+                return
+            if package is None:
+                self._gave_up.add(rows)
+            else:
+                self.passes[rows] = package
+
+    def _load_pass(self, path: Path, rows: int):
+        if not path.exists():
+            return None
+        try:
+            return self._open_pass(path, rows)
+        except Exception as exc:
+            self.notes.append(f"cached verify pass of {rows} unusable, rebuilding ({_why(exc)})")
+            path.unlink(missing_ok=True)
+            return None
+
+    def _build_pass(self, path: Path, rows: int):
+        global _building
+        _building = True
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = self._scratch(dynamic=False)
+            exported.build(scratch, scratch.cache.k + scratch.cache.v, path, "default",
+                           private_cache=not _USER_CACHE_DIR, rows=rows)
+        finally:
+            _building = False
+        try:
+            return self._open_pass(path, rows)
+        except Exception:
+            path.unlink(missing_ok=True)
+            raise
+
+    def _open_pass(self, path: Path, rows: int):
+        package = exported.Package(path, rows, weights_of=self.target.impl)
+        try:
+            self._check(package, rows)
+            return package
+        finally:
+            package.release_files()
 
     def _load_package(self) -> bool:
         """Use the package a previous start left, if it is there and computes this model's
@@ -325,7 +416,7 @@ class CompiledStep:
         finally:
             package.release_files()
 
-    def _check(self, fn) -> None:
+    def _check(self, fn, rows: int = 1) -> None:
         """The compiled step must compute this model's step: one step on a scratch cache,
         against the eager forward. A package built from other weights is off by about the
         logits' own size (relative error ~1.4); float32 kernels round apart by ~1e-5 of it.
@@ -334,8 +425,8 @@ class CompiledStep:
         whose cache is empty), so the bound follows the activations' dtype."""
         a, b = self._scratch(dynamic=False), self._scratch(dynamic=False)
         with torch.inference_mode():
-            ids = torch.tensor([1], dtype=torch.long, device=self.target.device)
-            want = a(ids, exported.MIN_POS, False)
+            ids = torch.arange(1, rows + 1, dtype=torch.long, device=self.target.device)
+            want = a(ids, exported.MIN_POS, rows > 1)
             got = fn(b, ids, exported.MIN_POS)
         err = float((got - want).norm() / want.norm().clamp_min(1e-12))
         self.check_error = err
@@ -352,6 +443,34 @@ class CompiledStep:
         except Exception as exc:
             self.error = f"the compiled step stopped ({type(exc).__name__}: {exc}); decoding eagerly"
             self.state = "failed"
+            return None
+
+    @property
+    def passes_state(self) -> str:
+        """The verify passes: off (none wanted) | compiling | ready (some live) | failed."""
+        if not self.rows:
+            return "off"
+        if not self._passes_done.is_set():
+            return "compiling"
+        return "ready" if self.passes else ("failed" if self.passes_error else "off")
+
+    def pass_rows(self, n: int) -> int | None:
+        """The compiled verify pass a pass of n positions runs in (its bucket), if it is
+        live; None: the eager forward runs it."""
+        rows = next((r for r in self.rows if r >= n), None)
+        return rows if rows in self.passes else None
+
+    def run_pass(self, ids: torch.Tensor, pos: int, rows: int) -> torch.Tensor | None:
+        """Every row's logits of a verify pass at `pos` (padded to `rows`: the caller has
+        made room for them in the cache), or None when the caller must run it eagerly."""
+        package = self.passes.get(rows)
+        if package is None or pos < exported.MIN_POS:
+            return None
+        try:
+            return package(self.target.impl, ids, pos)[:ids.numel()]
+        except Exception as exc:
+            self.passes_error = f"the compiled verify pass stopped ({type(exc).__name__}: {exc}); verifying eagerly"
+            self.passes = {}
             return None
 
 

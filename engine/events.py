@@ -41,6 +41,7 @@ class Stats:
     pass_seconds: float = 0.0       # mean seconds of a target pass
     bound_pass_seconds: float = 0.0  # the transfer bound of a pass: streamed bytes / tier bandwidth
     compile_state: str = "off"      # the compiled decode step: off | compiling | ready | failed
+    compiled_passes: tuple = ()     # the verify-pass buckets (positions) running compiled
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -8,15 +8,16 @@ same autotuned kernels) built into a shared library, with the repacked weights a
 constants: it is compiled once per machine and model, and a later start loads it in
 seconds (demo model: 2-5 s on two cores, against ~2 min to build).
 
-What is exported is `_StepModule`: one token at a position `pos >= 2` over the
-conversation's own KV cache. The position travels as the length of a `marker` view
+What is exported is `_PassModule`: one token (or, for a verify pass, a fixed number of
+positions) at a position `pos >= 2` over the conversation's own KV cache. The position travels as the length of a `marker` view
 (export treats Python ints as constants, sizes can be symbolic), and the cache tensors
 and the rotary tables are inputs whose length is symbolic, so one package serves every
 position and a cache that has grown. The cache is written in place, as the eager step
 writes it.
 
-The package holds a copy of the weights (repacked, so they cannot be the checkpoint's
-own): on disk it is about the size of the resident weights. Building and loading leave
+The step's package holds a copy of the weights (repacked, so they cannot be the
+checkpoint's own): on disk it is about the size of the resident weights. Verify passes are
+built without weights and given the forward's own tensors when loaded (a few MB each). Building and loading leave
 nothing else behind: the build's working files and the unpacked package are removed when
 done, and what a process that left with os._exit could not remove is swept by the next.
 """
@@ -33,6 +34,10 @@ from pathlib import Path
 import torch
 
 MIN_POS = 2                      # export specialises sizes 0 and 1; position 1 runs eagerly
+# Verify passes are compiled for these numbers of positions; a pass of n positions runs in
+# the smallest that holds it, padded (the padding rows write cache slots past the pass,
+# which the next pass overwrites: nothing reads a slot before it is written).
+VERIFY_ROWS = (2, 4, 8, 16)
 # Inductor settings per build mode. Autotuned GEMM templates without epilogue fusion are
 # the first choice: with it, max-autotune trips an inductor assertion on the bf16 graph
 # ("AssertionError: buf17", torch 2.13), and in float32, same run, the fused step was
@@ -74,14 +79,16 @@ def _rebind(obj, name: str, get):
     return c
 
 
-class _StepModule(torch.nn.Module):
-    """The fast forward's one-token step as a module: every weight tensor registered
-    (so export sees parameters, and freezing folds them), the cache and rotary tables
-    passed in."""
+class _PassModule(torch.nn.Module):
+    """A pass of the fast forward over `rows` positions as a module: every weight tensor
+    registered (so export sees parameters, and freezing folds them), the cache and rotary
+    tables passed in. One row is the decode step (last logits), more a verify pass (every
+    row's logits)."""
 
-    def __init__(self, impl):
+    def __init__(self, impl, rows: int = 1):
         super().__init__()
         self.__dict__["impl"] = impl           # a plain attribute, not a submodule
+        self.rows = rows
         self._slots: list[tuple[int, str, str]] = []   # (layer, field, name)
         for i, w in enumerate(impl.layers):
             for f in dataclasses.fields(w):
@@ -101,8 +108,8 @@ class _StepModule(torch.nn.Module):
 
     def forward(self, ids, marker, cos, sin, *kv):
         pos = marker.shape[0]
-        torch._check(pos < kv[0].shape[2])
-        torch._check(pos < cos.shape[0])
+        torch._check(pos + self.rows <= kv[0].shape[2])
+        torch._check(pos + self.rows <= cos.shape[0])
         get = lambda n: getattr(self, n)   # noqa: E731
         impl = copy.copy(self.impl)
         impl.layers = [dataclasses.replace(w) for w in impl.layers]
@@ -114,7 +121,14 @@ class _StepModule(torch.nn.Module):
         impl.cache = copy.copy(impl.cache)
         n = len(kv) // 2
         impl.cache.k, impl.cache.v = list(kv[:n]), list(kv[n:])
-        return impl(ids, pos, False)
+        return impl(ids, pos, self.rows > 1)
+
+
+def constants(impl, rows: int = 1) -> dict[str, torch.Tensor]:
+    """The weights of `impl` under the names an exported pass knows them by: what a
+    package built without its weights (a verify pass) is given to run on."""
+    m = _PassModule(impl, rows)
+    return {**dict(m.named_parameters(remove_duplicate=False)), **dict(m.named_buffers(remove_duplicate=False))}
 
 
 def _marker(pos: int, device) -> torch.Tensor:
@@ -122,15 +136,21 @@ def _marker(pos: int, device) -> torch.Tensor:
     return torch.empty(1, device=device).expand(pos)
 
 
-def build(impl, kv: list[torch.Tensor], path: Path, mode: str, private_cache: bool = True) -> None:
-    """Export the step over the scratch cache `kv` and compile it into the package at
-    `path` (written under a temporary name first: a crash leaves no half package)."""
+def build(impl, kv: list[torch.Tensor], path: Path, mode: str, private_cache: bool = True, rows: int = 1) -> None:
+    """Export a pass of `rows` positions over the scratch cache `kv` and compile it into
+    the package at `path` (written under a temporary name first: a crash leaves no half
+    package).
+
+    The decode step (rows=1) is frozen: its weights are repacked into the package. A
+    verify pass is built without its weights and runs on the eager forward's own
+    (`constants`): a copy per bucket would cost the model's size in memory four times
+    over, and at 2-16 rows prepacking gains less than at one."""
     from torch.export import Dim, export
 
     _sweep(path.parent)
-    cap, rope, pos = Dim("capacity", min=MIN_POS + 1, max=_MAX), Dim("rope", min=MIN_POS + 1, max=_MAX), \
-        Dim("pos", min=MIN_POS, max=_MAX - 1)
-    ids = torch.zeros(1, dtype=torch.long, device=kv[0].device)
+    cap, rope = Dim("capacity", min=MIN_POS + rows, max=_MAX), Dim("rope", min=MIN_POS + rows, max=_MAX)
+    pos = Dim("pos", min=MIN_POS, max=_MAX - rows)
+    ids = torch.zeros(rows, dtype=torch.long, device=kv[0].device)
     args = (ids, torch.empty(MIN_POS, device=ids.device), impl._cos, impl._sin, *kv)
     shapes = {"ids": None, "marker": {0: pos}, "cos": {0: rope}, "sin": {0: rope}, "kv": tuple({2: cap} for _ in kv)}
     tmp = path.with_name(f".{path.stem}-{os.getpid()}.partial.pt2")
@@ -143,9 +163,11 @@ def build(impl, kv: list[torch.Tensor], path: Path, mode: str, private_cache: bo
     if private_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work)
     try:
-        ep = export(_StepModule(impl), args, dynamic_shapes=shapes, strict=False)
+        ep = export(_PassModule(impl, rows), args, dynamic_shapes=shapes, strict=False)
+        weights = {"freezing": True, "cpp.weight_prepack": True} if rows == 1 else \
+            {"freezing": False, "aot_inductor.package_constants_in_so": False}
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs={
-            "freezing": True, "cpp.weight_prepack": True, **MODES[mode]})
+            **weights, **MODES[mode]})
         os.replace(tmp, path)
     finally:
         if private_cache:
@@ -191,10 +213,13 @@ def _alive(pid: int) -> bool:
 
 
 class Package:
-    """A loaded package, run as the step over `impl`'s cache: `package(impl, ids, pos)` -> logits."""
+    """A loaded package, run as a pass over `impl`'s cache: `package(impl, ids, pos)` ->
+    logits (the last row's for the step, every row's for a verify pass of `rows`, padding
+    rows included). A verify pass runs on the weights of `weights_of` (a forward)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, rows: int = 1, weights_of=None):
         self.path = path
+        self.rows = rows
         # The loader unpacks the package (the weights included) into a temporary directory
         # and removes it only when the loaded model is destroyed, which a process that
         # leaves with os._exit never does: unpack into a directory of our own instead, and
@@ -205,6 +230,12 @@ class Package:
         os.environ["TMPDIR"] = str(self._unpacked)
         try:
             self._run = torch._inductor.aoti_load_package(str(path))
+            if rows > 1:
+                # The loader keeps pointers to these tensors (user-managed): the forward
+                # holds them for as long as the package is used, and so does this dict.
+                wanted = set(self._run.get_constant_fqns())
+                self._weights = {k: v for k, v in constants(weights_of, rows).items() if k in wanted}
+                self._run.load_constants(self._weights, check_full_update=True, user_managed=True)
         except BaseException:
             self.release_files()
             raise
@@ -215,5 +246,7 @@ class Package:
         shutil.rmtree(self._unpacked, ignore_errors=True)
 
     def __call__(self, impl, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        impl._rope(pos, 1, impl.norm)       # the table must reach pos (it grows, rarely)
+        impl._rope(pos, self.rows, impl.norm)       # the table must reach the pass (it grows, rarely)
+        if ids.numel() < self.rows:
+            ids = torch.nn.functional.pad(ids, (0, self.rows - ids.numel()))
         return self._run(ids, _marker(pos, ids.device), impl._cos, impl._sin, *impl.cache.k, *impl.cache.v)

@@ -42,12 +42,19 @@ class PassCosts:
         # their own rate caught up.)
         self.acceptance: float | None = None
         self._kernels: tuple[str, str] | None = None   # (target, drafter): eager | compiled
+        # A pass of n positions that runs in a compiled verify bucket costs the bucket's
+        # pass whatever n is (it is padded): such passes are measured under the bucket.
+        self._bucket = None
+
+    def key(self, n: int) -> int:
+        """What a pass over n positions is measured under: its compiled bucket, or n."""
+        return (self._bucket(n) if self._bucket is not None else None) or n
 
     def observe(self, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
         if drafted:
             per = draft_seconds / drafted
             self.t_draft = per if self.t_draft is None else self.t_draft + self.alpha * (per - self.t_draft)
-        n = drafted + 1
+        n = self.key(drafted + 1)
         old = self.t_pass.get(n)
         self.t_pass[n] = verify_seconds if old is None else old + self.alpha * (verify_seconds - old)
 
@@ -69,13 +76,18 @@ class PassCosts:
         old, self._kernels = self._kernels or key, key
         if key[0] != old[0]:
             self.t_pass = {}
+            step = getattr(target, "compiled", None)
+            self._bucket = step.pass_rows if step is not None and step.passes else None
         if key[1] != old[1]:
             self.t_draft = None
 
 
 def _kernels(target) -> str:
+    """Which kernels run a target's passes: the step's, and each verify bucket live."""
     step = getattr(target, "compiled", None)
-    return "compiled" if step is not None and step.state == "ready" else "eager"
+    if step is None:
+        return "eager"
+    return ("compiled" if step.state == "ready" else "eager") + "".join(f"+{r}" for r in sorted(step.passes))
 
 
 class DraftController:
@@ -125,6 +137,7 @@ class DraftController:
     def t_verify(self, n: int) -> float:
         """Measured pass time over n positions; unmeasured n are interpolated linearly
         between measured ones (a pass is weight-bound: nearly flat in n until compute-bound)."""
+        n = self.costs.key(n)
         if n in self.t_pass:
             return self.t_pass[n]
         known = sorted(self.t_pass)

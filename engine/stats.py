@@ -73,4 +73,5 @@ class StatsTracker:
             host_bytes=hardware.host_rss(),
             peak_host_bytes=hardware.peak_host_rss(),
             compile_state=t.compiled.state if getattr(t, "compiled", None) is not None else "off",
+            compiled_passes=tuple(sorted(t.compiled.passes)) if getattr(t, "compiled", None) is not None else (),
         )

@@ -40,6 +40,8 @@ def format_stats(s) -> str:
                  f"(transfer bound {s.bound_pass_seconds * 1e3:.0f} ms)")
     if s.compile_state in ("compiling", "ready"):
         line += " · compiled step" if s.compile_state == "ready" else " · compiling in the background"
+    if s.compiled_passes:
+        line += f" · compiled verify ({', '.join(map(str, s.compiled_passes))} positions)"
     return line + f" · peak memory {human_bytes(peak)}"
 
 

@@ -98,6 +98,93 @@ def test_doctor_shows_the_built_steps_and_their_size(compiled_engine, tiny_llama
     assert "Compiled decode steps:" in text and str(package.parent.parent) in text
 
 
+@pytest.fixture(scope="module")
+def verify_engine(tiny_llama, compile_cache):
+    """n-gram drafts of up to 3 tokens: verify passes of 2 and 4 positions are compiled
+    (after the step), without weights of their own."""
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="ngram", max_draft=3, compile="on",
+                      cache_dir=compile_cache)
+    step = eng.target.compiled
+    assert step.rows == (2, 4)
+    assert step.wait(900), step.error
+    assert step.wait_passes(900), (step.passes_error, step.notes)
+    return eng
+
+
+def test_compiled_verify_passes_keep_the_greedy_tokens(verify_engine, eager_ids):
+    eng = verify_engine
+    step = eng.target.compiled
+    # They run on the forward's own weight tensors (no copy in memory).
+    own = {w.data_ptr() for w in eng.target.impl.weight_tensors()}
+    for rows in (2, 4):
+        given = step.passes[rows]._weights
+        assert given and {w.data_ptr() for w in given.values()} == own
+    # A pass of 3 positions runs in the 4-row bucket, padded; its logits are the eager
+    # pass's to float32 rounding, and the cache holds the 3 positions it was given.
+    t = eng.target
+    t.cache.rollback(0)
+    t.forward([3, 4, 5, 6])
+    pos = t.cache.length
+    assert step.pass_rows(3) == 4 and step.pass_rows(5) is None
+    fast = t.forward([7, 8, 9], all_logits=True)
+    assert t.cache.length == pos + 3
+    t.cache.rollback(pos)
+    with torch.inference_mode():
+        slow = t.impl(torch.tensor([7, 8, 9]), pos, True)
+    assert fast.shape == slow.shape and torch.allclose(fast, slow, atol=1e-4, rtol=1e-4)
+    # Speculative greedy decoding through the compiled step and passes gives the plain tokens.
+    chat = eng.chat()
+    list(chat.send(PROMPT, max_new_tokens=40))
+    assert chat.last_done.token_ids == eager_ids
+    assert chat.last_stats.drafted_tokens > 0 and chat.last_stats.compiled_passes == (2, 4)
+    from localchat.oneshot import format_stats
+    assert "compiled step · compiled verify (2, 4 positions)" in format_stats(chat.last_stats)
+    assert step.passes_state == "ready"
+
+
+def test_a_second_start_loads_the_verify_passes_and_drops_a_corrupt_one(verify_engine, tiny_llama, compile_cache,
+                                                                        tmp_path):
+    import shutil
+    step = verify_engine.target.compiled
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="ngram", max_draft=3, compile="cached",
+                      cache_dir=compile_cache)
+    again = eng.target.compiled
+    assert again.wait_passes(300) and again.notes == []
+    # A corrupt bucket is deleted (and would be rebuilt); the others still load.
+    folder = tmp_path / "inductor" / "k"
+    folder.mkdir(parents=True)
+    shutil.copy(step.package, folder / "step.pt2")
+    shutil.copy(step.cache_dir / "verify-4.pt2", folder / "verify-4.pt2")
+    (folder / "verify-2.pt2").write_bytes(b"not a zip" * 100)
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="ngram", max_draft=3, cache_dir=tmp_path)
+    broken = eng.target.compiled = compiled.CompiledStep(eng.target, tmp_path, "k", build=False, rows=(2, 4))
+    broken.start()
+    assert not broken.wait_passes(300)
+    assert sorted(broken.passes) == [4] and not (folder / "verify-2.pt2").exists()
+    assert any("verify pass of 2 unusable" in n for n in broken.notes)
+
+
+def test_a_drafter_chosen_later_gets_its_verify_passes(verify_engine, tiny_llama, compile_cache):
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", max_draft=3, compile="cached",
+                      cache_dir=compile_cache)
+    step = eng.target.compiled
+    assert step.wait(120) and step.rows == () and step.passes_state == "off"
+    eng.set_drafter("ngram")                     # what /drafter ngram does in the chat
+    assert step.wait_passes(300) and sorted(step.passes) == [2, 4] and step.passes_state == "ready"
+
+
+def test_verify_passes_without_memory_for_the_step(tiny_llama, tmp_path, monkeypatch):
+    # No room for the step's copy of the weights: the passes, which use the forward's
+    # own, are still wanted (here only loaded: cached mode on an empty cache builds nothing).
+    from engine import hardware
+    monkeypatch.setattr(hardware, "available_memory", lambda device: 1 << 20)
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="ngram", max_draft=8, cache_dir=tmp_path)
+    assert eng.start_compile(tmp_path, build=False) is True
+    step = eng.target.compiled
+    assert step.step is False and step.rows == (2, 4, 8) and "GiB is free" in eng.compile_note
+    assert not step.wait_passes(60) and step.state == "off" and step.passes == {}
+
+
 def test_leftovers_of_processes_that_are_gone_are_swept(tmp_path):
     # A process that leaves with os._exit mid-build or mid-load cannot clean up; the next
     # build or load removes what it left (never what a live process is using).
@@ -204,7 +291,8 @@ def test_quantized_target_and_its_drafter_compile(tiny_llama, compile_cache):
     # An int8 target drafted for by its own int4 copy: both decode steps compile, one
     # after the other, and the answer is the eager one (float32 activations: the
     # compiled int8 kernel accumulates as the aten one does, to float32 rounding).
-    kw = dict(dtype="float32", profile="resident-int8", drafter="model", draft_model="self", cache_dir=compile_cache)
+    kw = dict(dtype="float32", profile="resident-int8", drafter="model", draft_model="self", max_draft=1,
+              cache_dir=compile_cache)
     eager = engine.open(str(tiny_llama), **kw)
     want = answer(eager)[0]
     eng = engine.open(str(tiny_llama), compile="on", **kw)
@@ -213,6 +301,10 @@ def test_quantized_target_and_its_drafter_compile(tiny_llama, compile_cache):
     assert step.wait(900), step.error
     assert draft_step.wait(900), draft_step.error
     assert (step.source, draft_step.source) == ("built", "built"), step.notes + draft_step.notes
+    # Then the target's verify pass (drafts of one token: the 2-row bucket), on the int8
+    # weights' own tensors; the drafter verifies nothing.
+    assert step.rows == (2,) and draft_step.rows == ()
+    assert step.wait_passes(900), (step.passes_error, step.notes)
     # The packed weights became constants of the graph: their tensors are parameters.
     assert isinstance(eng.target.impl.layers[0].qkv.q, torch.nn.Parameter)
     ids, stats = answer(eng)
@@ -223,7 +315,10 @@ def test_quantized_target_and_its_drafter_compile(tiny_llama, compile_cache):
     with torch.inference_mode():
         one = torch.tensor([6])
         fast, slow = t.compiled(one, t.cache.length), t.impl(one, t.cache.length, False)
+        two = torch.tensor([6, 7])
+        fast2, slow2 = t.compiled.run_pass(two, t.cache.length, 2), t.impl(two, t.cache.length, True)
     assert torch.allclose(fast, slow, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(fast2, slow2, atol=1e-4, rtol=1e-4)
 
 
 def test_streamed_targets_decode_eagerly(tiny_llama):
@@ -254,9 +349,22 @@ def test_pass_costs_are_measured_afresh_when_a_step_goes_live():
     costs.observe(2, 0.01, 0.05)
     costs.follow_kernels(t, None)                 # nothing changed: the figures stay
     assert costs.t_pass == {3: 0.05} and costs.t_draft == 0.005
-    t.compiled = type("Step", (), {"state": "ready"})()
+    t.compiled = type("Step", (), {"state": "ready", "passes": {}})()
     costs.follow_kernels(t, None)
     assert costs.t_pass == {} and costs.t_draft == 0.005
+    # A verify bucket goes live: the curve is measured afresh, and every pass that runs
+    # in the bucket (padded) is measured under it.
+    t.compiled.passes = {4: object()}
+    t.compiled.pass_rows = lambda n: 4 if 2 < n <= 4 else None
+    costs.observe(0, 0.0, 0.02)
+    costs.follow_kernels(t, None)
+    assert costs.t_pass == {}
+    costs.observe(2, 0.01, 0.05)
+    costs.observe(1, 0.01, 0.04)
+    assert sorted(costs.t_pass) == [2, 4] and costs.key(3) == 4 and costs.key(5) == 5
+    from engine.speculative import DraftController
+    ctl = DraftController(costs=costs)
+    assert ctl.t_verify(4) == ctl.t_verify(3) == costs.t_pass[4]
 
 
 class BusyCompile(compiled.CompiledStep):

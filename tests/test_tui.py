@@ -247,6 +247,10 @@ def test_status_bar_says_compiling_then_compiled(tiny_llama, compile_cache):
             assert "compiling…" in app.status_bar.text
             eng.target.compiled.wait(900)
             await wait_for(pilot, lambda: "(compiled)" in app.status_bar.text, what="the compiled step")
-            assert "compiling…" not in app.status_bar.text
+            assert "compiling…" not in app.status_bar.text and "verify" not in app.status_bar.text
+            # With a drafter, verify passes compile after the step: said after the figure.
+            app.status_bar.verify = "compiling"
+            await pilot.pause()
+            assert "(compiled) │ compiling verify…" in app.status_bar.text
 
     asyncio.run(main())

@@ -53,12 +53,19 @@ class ResidentTarget:
         """Run `ids` at the end of the cache and commit them. Returns float32 logits:
         [len(ids), vocab] with all_logits, else [1, vocab] for the last position."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(-1)
-        pos = self.cache.length
-        self.cache.reserve(ids.numel())
+        pos, n = self.cache.length, ids.numel()
         logits = None
-        if ids.numel() == 1 and self.compiled is not None:
+        if n == 1 and self.compiled is not None:
+            self.cache.reserve(1)
             logits = self.compiled(ids, pos)          # None until it is ready (or if it gave up)
+        elif self.compiled is not None and (rows := self.compiled.pass_rows(n)) is not None \
+                and pos + rows <= self.cache.max_positions:
+            self.cache.reserve(rows)                  # the bucket's padding rows write there too
+            logits = self.compiled.run_pass(ids, pos, rows)
+            if logits is not None and not all_logits:
+                logits = logits[-1:]
         if logits is None:
+            self.cache.reserve(n)
             logits = self.impl(ids, pos, all_logits)
         self.cache.length = pos + ids.numel()
         return logits

@@ -34,6 +34,7 @@ class StatusBar(Widget):
     stats: reactive[Stats | None] = reactive(None)
     context_max: reactive[int] = reactive(0)
     compile: reactive[str] = reactive("off")     # the compiled decode step: off | compiling | ready | failed
+    verify: reactive[str] = reactive("off")      # its verify passes: off | compiling | ready | failed
 
     def render(self) -> Text:
         line = Text(no_wrap=True, overflow="ellipsis")
@@ -51,6 +52,8 @@ class StatusBar(Widget):
             fields.append("compiling…")          # decoding eagerly meanwhile; the speed changes when it lands
         elif self.compile == "ready":
             fields[0] += " (compiled)"
+        if self.compile != "compiling" and self.verify == "compiling":
+            fields.append("compiling verify…")   # the verify passes follow the step
         if s.drafted_tokens:
             # Speculative decoding at work: tokens each target pass adds, how many drafts
             # the target kept, and the draft length chosen for the last round.
@@ -72,7 +75,8 @@ class StatusBar(Widget):
         """Show a background compile's state (engine.compiled.CompiledStep, or None), polled
         until it ends: it lands between answers as often as during one."""
         self.compile = step.state if step is not None else "off"
-        if step is not None and step.state == "compiling":
+        self.verify = step.passes_state if step is not None else "off"
+        if step is not None and "compiling" in (self.compile, self.verify):
             self.set_timer(1.0, lambda: self.follow_compile(step))
 
     @property
