@@ -43,7 +43,11 @@ import torch
 from . import exported
 from .cache import KVCache
 
-MODE = "max-autotune-unfused"            # engine/exported.py MODES; torch.compile runs "default"
+MODE = "max-autotune-unfused"
+# A verify bucket goes live only if it beats the eager pass by this much (measured when it is
+# built or loaded). On a small CPU a verify pass's GEMMs are the same BLAS calls either way
+# and the rows amortise the eager overhead, so the two can be even: then eager is kept.
+PASS_GAIN = 0.97            # engine/exported.py MODES; torch.compile runs "default"
 STATES = ("off", "compiling", "ready", "failed")
 # A TORCHINDUCTOR_CACHE_DIR the user set wins; otherwise each model gets its own directory.
 _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
@@ -212,7 +216,8 @@ class CompiledStep:
         self.passes: dict[int, exported.Package] = {}
         self.passes_error = ""
         self._passes_done = threading.Event()
-        self._gave_up: set[int] = set()          # buckets that failed, or were not cached (build=False)
+        self._gave_up: set[int] = set()          # buckets that failed, lost their race, or were not cached
+        self.pass_ms: dict[int, tuple[float, float]] = {}   # rows -> (eager, compiled) ms, as raced
 
     def start(self) -> None:
         impl = self.target.impl
@@ -303,8 +308,34 @@ class CompiledStep:
                 return
             if package is None:
                 self._gave_up.add(rows)
-            else:
+                continue
+            eager, fast = self._race(package, rows)
+            self.pass_ms[rows] = (round(eager, 2), round(fast, 2))
+            if fast < eager * PASS_GAIN:
                 self.passes[rows] = package
+            else:
+                self._gave_up.add(rows)
+                self.notes.append(f"verify pass of {rows} kept eager: {fast:.1f} ms compiled, {eager:.1f} eager")
+
+    def _race(self, package, rows: int, reps: int = 5) -> tuple[float, float]:
+        """Median milliseconds of the eager and the compiled pass of `rows` positions, run
+        in turn on scratch caches. Only while no answer is generated (it would slow the
+        answer and be slowed by it)."""
+        eager, fast = self._scratch(dynamic=False), self._scratch(dynamic=False)
+        ids = torch.arange(1, rows + 1, dtype=torch.long, device=self.target.device)
+        times: tuple[list[float], list[float]] = ([], [])
+        with torch.inference_mode():
+            for i in range(2 * reps + 2):
+                _go.wait()
+                t0 = time.perf_counter()
+                if i % 2:
+                    package(fast, ids, exported.MIN_POS)
+                else:
+                    eager(ids, exported.MIN_POS, True)
+                _sync(self.target.device)
+                if i >= 2:                   # the first of each warms up
+                    times[i % 2].append(time.perf_counter() - t0)
+        return tuple(sorted(t)[len(t) // 2] * 1e3 for t in times)
 
     def _load_pass(self, path: Path, rows: int):
         if not path.exists():
@@ -472,6 +503,11 @@ class CompiledStep:
             self.passes_error = f"the compiled verify pass stopped ({type(exc).__name__}: {exc}); verifying eagerly"
             self.passes = {}
             return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _guarded(fn):

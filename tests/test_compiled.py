@@ -173,6 +173,29 @@ def test_a_drafter_chosen_later_gets_its_verify_passes(verify_engine, tiny_llama
     assert step.wait_passes(300) and sorted(step.passes) == [2, 4] and step.passes_state == "ready"
 
 
+class EvenRace(compiled.CompiledStep):
+    """Every bucket times the same as the eager pass (injected: what a small CPU measures
+    for the demo model's wider passes, which the tiny model cannot reproduce)."""
+
+    def _race(self, package, rows, reps=5):
+        return 50.0, 50.0 if rows == 4 else 40.0
+
+
+def test_a_verify_bucket_that_is_not_faster_stays_eager(verify_engine, tiny_llama, compile_cache):
+    key = verify_engine.target.compiled.cache_dir.name
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="ngram", max_draft=3, cache_dir=compile_cache)
+    step = eng.target.compiled = EvenRace(eng.target, compile_cache, key, build=False, rows=(2, 4))
+    step.start()
+    assert not step.wait_passes(300)
+    assert sorted(step.passes) == [2] and step.pass_ms == {2: (50.0, 40.0), 4: (50.0, 50.0)}
+    assert step.notes == ["verify pass of 4 kept eager: 50.0 ms compiled, 50.0 eager"]
+    assert step.pass_rows(3) is None and step.pass_rows(2) == 2
+    t = eng.target
+    t.forward([3, 4, 5])
+    t.forward([6, 7, 8])                         # eager, and no padding written into the count
+    assert t.cache.length == 6
+
+
 def test_verify_passes_without_memory_for_the_step(tiny_llama, tmp_path, monkeypatch):
     # No room for the step's copy of the weights: the passes, which use the forward's
     # own, are still wanted (here only loaded: cached mode on an empty cache builds nothing).
