@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tui_latency.py
 	$(BIN)/python benchmarks/compile_probe.py
 	$(BIN)/python benchmarks/compile_probe.py --no-prepack --out benchmarks/results/compile_probe-noprepack.json
+	$(BIN)/python benchmarks/verify.py
 	$(BIN)/python benchmarks/report.py
 
 clean:

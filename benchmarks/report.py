@@ -97,10 +97,30 @@ def streamed_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def verify_table(d: dict) -> str:
+    eager, fast = d["pass_ms"]["eager"], d["pass_ms"]["compiled"]
+    race = d["ready"].get("race_ms", {})
+    lines = ["| positions in the pass | " + " | ".join(eager) + " |", "|---|" + "---|" * len(eager),
+             "| eager pass, ms | " + " | ".join(f"{v:.0f}" for v in eager.values()) + " |",
+             "| compiled (bucket, padded), ms | " + " | ".join(f"{v:.0f}" for v in fast.values()) + " |",
+             "", f"Race at build/load time (eager / compiled ms): "
+             + ", ".join(f"{r} rows {x['eager']:.0f} / {x['compiled']:.0f}" for r, x in race.items())
+             + f"; live: {d['ready']['buckets'] or 'none'}.", "",
+             "| workload | plain (compiled step) tok/s | n-gram, eager verify | n-gram, compiled verify | "
+             "compiled / eager verify | tok/pass | identical |", "|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        same = all(r[k]["identical"] for k in ("eager", "compiled"))
+        lines.append(f"| {r['id']} | {r['plain']['tps']:.1f} | {r['eager']['tps']:.1f} | {r['compiled']['tps']:.1f} | "
+                     f"{r['compiled_vs_eager_verify']:.2f}× | {r['compiled']['tokens_per_pass']:.2f} | "
+                     f"{'yes' if same else 'NO'} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     for name, render in (("decode.json", decode_table), ("speculative.json", speculative_table),
                          ("speculative-bf16.json", speculative_table),
-                         ("speculative-self-int4.json", speculative_table), ("streamed.json", streamed_table)):
+                         ("speculative-self-int4.json", speculative_table), ("streamed.json", streamed_table),
+                         ("verify.json", verify_table)):
         path = RESULTS / name
         if path.is_file():
             d = json.loads(path.read_text())

@@ -43,11 +43,11 @@ import torch
 from . import exported
 from .cache import KVCache
 
-MODE = "max-autotune-unfused"
+MODE = "max-autotune-unfused"            # engine/exported.py MODES; torch.compile runs "default"
 # A verify bucket goes live only if it beats the eager pass by this much (measured when it is
 # built or loaded). On a small CPU a verify pass's GEMMs are the same BLAS calls either way
 # and the rows amortise the eager overhead, so the two can be even: then eager is kept.
-PASS_GAIN = 0.97            # engine/exported.py MODES; torch.compile runs "default"
+PASS_GAIN = 0.97
 STATES = ("off", "compiling", "ready", "failed")
 # A TORCHINDUCTOR_CACHE_DIR the user set wins; otherwise each model gets its own directory.
 _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
@@ -302,14 +302,14 @@ class CompiledStep:
                 package = self._load_pass(path, rows)
                 if package is None and self.build:
                     package = self._build_pass(path, rows)
+                if package is None:
+                    self._gave_up.add(rows)
+                    continue
+                eager, fast = self._race(package, rows)
             except Exception as exc:         # the next bucket would fail the same way
                 self.passes_error = f"verify pass of {rows}: {_why(exc)}"
                 self._gave_up.update(self.rows)
                 return
-            if package is None:
-                self._gave_up.add(rows)
-                continue
-            eager, fast = self._race(package, rows)
             self.pass_ms[rows] = (round(eager, 2), round(fast, 2))
             if fast < eager * PASS_GAIN:
                 self.passes[rows] = package
@@ -343,7 +343,7 @@ class CompiledStep:
         try:
             return self._open_pass(path, rows)
         except Exception as exc:
-            self.notes.append(f"cached verify pass of {rows} unusable, rebuilding ({_why(exc)})")
+            self.notes.append(f"cached verify pass of {rows} unusable, deleted ({_why(exc)})")
             path.unlink(missing_ok=True)
             return None
 

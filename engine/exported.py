@@ -153,7 +153,8 @@ def build(impl, kv: list[torch.Tensor], path: Path, mode: str, private_cache: bo
     ids = torch.zeros(rows, dtype=torch.long, device=kv[0].device)
     args = (ids, torch.empty(MIN_POS, device=ids.device), impl._cos, impl._sin, *kv)
     shapes = {"ids": None, "marker": {0: pos}, "cos": {0: rope}, "sin": {0: rope}, "kv": tuple({2: cap} for _ in kv)}
-    tmp = path.with_name(f".{path.stem}-{os.getpid()}.partial.pt2")
+    # "<name>-<pid>": the sweep reads the pid after the first dash ("verify-4" loses its own).
+    tmp = path.with_name(f".{path.stem.replace('-', '')}-{os.getpid()}.partial.pt2")
     # Inductor writes the build's code and a copy of the weights into its cache dir; kept,
     # that would be another copy of the model per build (gigabytes in /tmp): unless the
     # user chose a TORCHINDUCTOR_CACHE_DIR, this build gets a directory of its own,

@@ -161,7 +161,7 @@ def test_a_second_start_loads_the_verify_passes_and_drops_a_corrupt_one(verify_e
     broken.start()
     assert not broken.wait_passes(300)
     assert sorted(broken.passes) == [4] and not (folder / "verify-2.pt2").exists()
-    assert any("verify pass of 2 unusable" in n for n in broken.notes)
+    assert any("verify pass of 2 unusable, deleted" in n for n in broken.notes)
 
 
 def test_a_drafter_chosen_later_gets_its_verify_passes(verify_engine, tiny_llama, compile_cache):
