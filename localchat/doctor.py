@@ -134,8 +134,10 @@ def doctor_main(argv: list[str]) -> int:
     if hint:
         print(hint)
     if steps:
-        print(f"Compiled decode steps: {len(steps)} built, {human_bytes(sum(n for _, n in steps))} in "
-              f"{steps[0][0].parent.parent} (each holds a copy of its model's weights; delete a folder to reclaim it)")
+        n_steps = sum(p.name == "step.pt2" for p, _ in steps)
+        print(f"Compiled decode steps: {n_steps} built, {len(steps) - n_steps} verify passes, "
+              f"{human_bytes(sum(n for _, n in steps))} in {steps[0][0].parent.parent} "
+              "(a step holds a copy of its model's weights; delete a folder to reclaim it)")
     return EXIT_OK
 
 

@@ -419,7 +419,7 @@ def wait_until(condition, seconds=10.0):
 
 def test_the_compile_thread_parks_while_an_answer_runs():
     step = BusyCompile()
-    compiled._submit(step)
+    compiled._submit(step._compile, step._done)
     wait_until(lambda: step.count > 0)
     compiled.pause()
     try:
