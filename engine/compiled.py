@@ -137,7 +137,7 @@ def cache_key(name: str, dtype: torch.dtype, weights: str, device: torch.device,
     (and the very weights, `stamp`: a package holds a copy of them), dtype, weight format,
     torch build, device and the CPU's instruction set it was made for."""
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else ""
-    raw = f"{name}|{stamp}|{dtype}|{weights}|{torch.__version__}|{device.type}|{isa}"
+    raw = f"{name}|{stamp}|{dtype}|{weights}|{torch.__version__}|{device.type}|{isa}|{exported.FORMAT}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -423,6 +423,7 @@ class CompiledStep:
         # ("mkldnn tensors unpickleable"), so this path compiles in full on every start;
         # the package above is what makes a second start fast.
         inductor_config.cpp.weight_prepack = True
+        inductor_config.cpp.min_chunk_size = exported.SERIAL_BELOW
         if self.cache_dir is not None and not _USER_CACHE_DIR:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
         fn = torch.compile(_own_step(), mode=mode, fullgraph=True)
