@@ -27,6 +27,7 @@ so they cost no memory beyond the forward's; a chat uses each bucket as it goes 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import hashlib
@@ -299,9 +300,10 @@ class CompiledStep:
         for rows in [r for r in self.rows if r not in self.passes and r not in self._gave_up]:
             path = self.cache_dir / f"verify-{rows}.pt2"
             try:
-                package = self._load_pass(path, rows)
+                package = self._load(path, rows, f"cached verify pass of {rows}")
                 if package is None and self.build:
-                    package = self._build_pass(path, rows)
+                    with _building_now():
+                        package = self._build_aot(path, rows, "default")
                 if package is None:
                     self._gave_up.add(rows)
                     continue
@@ -337,60 +339,53 @@ class CompiledStep:
                     times[i % 2].append(time.perf_counter() - t0)
         return tuple(sorted(t)[len(t) // 2] * 1e3 for t in times)
 
-    def _load_pass(self, path: Path, rows: int):
+    def _load_package(self) -> bool:
+        """Use the step's package a previous start left, if it is there and computes this
+        model's step; a stale or unreadable one is deleted (and built again)."""
+        if self.package is None:
+            return False
+        self._fn = self._load(self.package, 1, "cached package")
+        return self._fn is not None
+
+    def _load(self, path: Path, rows: int, what: str):
+        """The package at `path` if it is there and checks out; else None, and a package
+        that does not load or check out is deleted."""
         if not path.exists():
             return None
         try:
-            return self._open_pass(path, rows)
+            return self._open(path, rows)
         except Exception as exc:
-            self.notes.append(f"cached verify pass of {rows} unusable, deleted ({_why(exc)})")
+            self.notes.append(f"{what} unusable, {'rebuilding' if self.build else 'deleted'} ({_why(exc)})")
             path.unlink(missing_ok=True)
             return None
 
-    def _build_pass(self, path: Path, rows: int):
-        global _building
-        _building = True
+    def _build_aot(self, path: Path, rows: int, mode: str):
+        """Build the package of a pass of `rows` positions at `path`, load and check it; a
+        miscompile is deleted, not kept for the next start."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = self._scratch(dynamic=False)
+        exported.build(scratch, scratch.cache.k + scratch.cache.v, path, mode,
+                       private_cache=not _USER_CACHE_DIR, rows=rows)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            scratch = self._scratch(dynamic=False)
-            exported.build(scratch, scratch.cache.k + scratch.cache.v, path, "default",
-                           private_cache=not _USER_CACHE_DIR, rows=rows)
-        finally:
-            _building = False
-        try:
-            return self._open_pass(path, rows)
+            return self._open(path, rows)
         except Exception:
             path.unlink(missing_ok=True)
             raise
 
-    def _open_pass(self, path: Path, rows: int):
-        package = exported.Package(path, rows, weights_of=self.target.impl)
+    def _open(self, path: Path, rows: int = 1):
+        """The package at `path`, loaded (a verify pass given the forward's weights) and
+        checked; its unpacked files are removed once the check has run it (it lives in
+        memory from then on)."""
+        package = exported.Package(path, rows, weights_of=self.target.impl if rows > 1 else None)
         try:
             self._check(package, rows)
             return package
         finally:
             package.release_files()
 
-    def _load_package(self) -> bool:
-        """Use the package a previous start left, if it is there and computes this model's
-        step; a stale or unreadable one is deleted (and built again)."""
-        if self.package is None or not self.package.exists():
-            return False
-        try:
-            self._fn = self._open_package()
-            return True
-        except Exception as exc:
-            self.notes.append(f"cached package unusable, rebuilding ({_why(exc)})")
-            self.package.unlink(missing_ok=True)
-            return False
-
     def _first_that_builds(self):
-        global _building
-        _building = True
-        try:
+        with _building_now():
             return self._try_builds()
-        finally:
-            _building = False
 
     def _try_builds(self):
         attempts = self._attempts()
@@ -407,17 +402,10 @@ class CompiledStep:
 
     def _build(self, backend: str, mode: str):
         import torch._inductor.config as inductor_config
+        if backend == "aot":
+            return self._build_aot(self.package, 1, mode)
         if self.cache_dir is not None:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-        if backend == "aot":
-            scratch = self._scratch(dynamic=False)
-            exported.build(scratch, scratch.cache.k + scratch.cache.v, self.package, mode,
-                           private_cache=not _USER_CACHE_DIR)
-            try:
-                return self._open_package()
-            except Exception:
-                self.package.unlink(missing_ok=True)   # a miscompile is not kept for the next start
-                raise
         inductor_config.freezing = True
         # Prepacked weights (mkldnn) make inductor's FX graph cache skip the graph
         # ("mkldnn tensors unpickleable"), so this path compiles in full on every start;
@@ -437,16 +425,6 @@ class CompiledStep:
         fn = _guarded(fn)
         self._check(fn)
         return fn
-
-    def _open_package(self):
-        """The package at self.package, loaded and checked; its unpacked files are removed
-        once the check has run it (the step lives in memory from then on)."""
-        package = exported.Package(self.package)
-        try:
-            self._check(package)
-            return package
-        finally:
-            package.release_files()
 
     def _check(self, fn, rows: int = 1) -> None:
         """The compiled step must compute this model's step: one step on a scratch cache,
@@ -504,6 +482,17 @@ class CompiledStep:
             self.passes_error = f"the compiled verify pass stopped ({type(exc).__name__}: {exc}); verifying eagerly"
             self.passes = {}
             return None
+
+
+@contextlib.contextmanager
+def _building_now():
+    """Mark the worker as building (it parks while answers run, see _yield_to_answers)."""
+    global _building
+    _building = True
+    try:
+        yield
+    finally:
+        _building = False
 
 
 def _sync(device: torch.device) -> None:
