@@ -434,6 +434,30 @@ def test_the_compile_thread_parks_while_an_answer_runs():
     assert step.wait(10) and not compiled.busy()
 
 
+def test_the_compile_worker_ends_when_its_queue_is_empty():
+    """An idle worker must not stay: a thread that ran a parallel torch op keeps its OpenMP
+    team while it lives, and a second team makes libgomp sleep between parallel regions of
+    the thread that decodes. A job queued by a job runs on the same worker; a job submitted
+    later starts a new one."""
+    seen, first, second = [], threading.Event(), threading.Event()
+
+    def job():
+        seen.append(threading.current_thread())
+        torch.randn(512, 512) @ torch.randn(512, 512)       # a team for this thread
+        compiled._submit(lambda: seen.append(threading.current_thread()), first)
+
+    compiled._submit(job, threading.Event())
+    assert first.wait(10)
+    worker = seen[0]
+    worker.join(10)
+    assert seen[1] is worker and not worker.is_alive() and not compiled.busy()
+    compiled._submit(lambda: seen.append(threading.current_thread()), second)
+    assert second.wait(10)
+    assert seen[2] is not worker and seen[2].name == "localchat-compile"
+    seen[2].join(10)
+    assert not seen[2].is_alive()
+
+
 def test_every_step_compiles_its_own_code_object():
     # Dynamo's graphs and its recompile limit (8) are per code object: a process that
     # compiles several targets and drafters must not pile them onto one.
