@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from . import exported
+from . import builder, exported, hardware
 from .cache import KVCache
 
 MODE = "max-autotune-unfused"            # engine/exported.py MODES; torch.compile runs "default"
@@ -50,6 +50,9 @@ MODE = "max-autotune-unfused"            # engine/exported.py MODES; torch.compi
 # and the rows amortise the eager overhead, so the two can be even: then eager is kept.
 PASS_GAIN = 0.97
 STATES = ("off", "compiling", "ready", "failed")
+# Packages are built in a child process where one can (engine/builder.py); False builds in
+# this process, as a target without a recipe (one not made by the loaders) always does.
+CHILD_BUILDS = True
 # A TORCHINDUCTOR_CACHE_DIR the user set wins; otherwise each model gets its own directory.
 _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 
@@ -92,6 +95,7 @@ def pause() -> None:
     with _lock:
         _answering += 1
         _go.clear()
+        builder.stop()               # a build in a child process stops outright
 
 
 def resume() -> None:
@@ -100,6 +104,7 @@ def resume() -> None:
         _answering = max(0, _answering - 1)
         if _answering == 0:
             _go.set()
+            builder.go_on()
 
 
 def _yield_to_answers(phase: str, info: dict) -> None:
@@ -219,6 +224,7 @@ class CompiledStep:
         self.package = self.cache_dir / "step.pt2" if self.cache_dir else None
         self.notes: list[str] = []       # attempts that failed on the way (why a fallback ran)
         self.check_error = None          # the live step's relative logit error against eager (_check)
+        self.built_in = ""               # where the last package was built: child | process
         self._fn = None
         self._done = threading.Event()
         # Verify passes (exported.VERIFY_ROWS buckets), built after the step: those live
@@ -370,17 +376,33 @@ class CompiledStep:
             return None
 
     def _build_aot(self, path: Path, rows: int, mode: str):
-        """Build the package of a pass of `rows` positions at `path`, load and check it; a
-        miscompile is deleted, not kept for the next start."""
+        """Build the package of a pass of `rows` positions at `path` (in a child process
+        where one can: engine/builder.py), load and check it; a miscompile is deleted, not
+        kept for the next start."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = self._scratch(dynamic=False)
-        exported.build(scratch, scratch.cache.k + scratch.cache.v, path, mode,
-                       private_cache=not _USER_CACHE_DIR, rows=rows)
+        if self._in_child():
+            self.built_in = "child"
+            builder.build(self.target.recipe, path, mode, rows, private_cache=not _USER_CACHE_DIR)
+        else:
+            self.built_in = "process"
+            scratch = self._scratch(dynamic=False)
+            exported.build(scratch, scratch.cache.k + scratch.cache.v, path, mode,
+                           private_cache=not _USER_CACHE_DIR, rows=rows)
         try:
             return self._open(path, rows)
         except Exception:
             path.unlink(missing_ok=True)
             raise
+
+    def _in_child(self) -> bool:
+        """Build in a child process: on a CPU (on a GPU the child would need a second copy
+        of the weights on the device), for a target that says how to load it again, with
+        memory for the child's own copy."""
+        t = self.target
+        if not CHILD_BUILDS or t.device.type != "cpu" or getattr(t, "recipe", None) is None:
+            return False
+        free = hardware.available_memory(t.device)
+        return free is not None and free >= builder.room_needed(t.weight_bytes())
 
     def _open(self, path: Path, rows: int = 1):
         """The package at `path`, loaded (a verify pass given the forward's weights) and

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import engine
-from engine import compiled
+from engine import builder, compiled
 from tiny import build_model
 
 PROMPT = "the cat sat on the mat and the dog"
@@ -60,6 +60,7 @@ def test_a_second_start_loads_the_package_and_switches_mid_answer(compiled_engin
     # it instead of compiling. Started after the answer's first token, it goes live
     # between two tokens, and the text is the eager one.
     assert compiled_engine.target.compiled.source == "built"
+    assert compiled_engine.target.compiled.built_in == "child"     # built by a child process (engine/builder.py)
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", cache_dir=compile_cache)
     chat = eng.chat()
     events = chat.send(PROMPT, max_new_tokens=40)
@@ -324,6 +325,7 @@ def test_quantized_target_and_its_drafter_compile(tiny_llama, compile_cache):
     assert step.wait(900), step.error
     assert draft_step.wait(900), draft_step.error
     assert (step.source, draft_step.source) == ("built", "built"), step.notes + draft_step.notes
+    assert (step.built_in, draft_step.built_in) == ("child", "child")     # each reloaded from its recipe
     # Then the target's verify pass (drafts of one token: the 2-row bucket), on the int8
     # weights' own tensors; the drafter verifies nothing.
     assert step.rows == (2,) and draft_step.rows == ()
@@ -472,3 +474,70 @@ def test_cache_key_separates_what_a_graph_is_valid_for():
     assert a != compiled.cache_key("m", torch.bfloat16, "exact", torch.device("cpu"))
     assert a != compiled.cache_key("other", torch.float32, "exact", torch.device("cpu"))
     assert a != compiled.cache_key("m", torch.float32, "exact", torch.device("cpu"), stamp="weights v2")
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (T: stopped), "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def test_a_child_build_stops_while_an_answer_runs(tiny_llama, tmp_path):
+    """A package built in a child process: the whole child is stopped (not slowed) while an
+    answer runs and goes on after, and the package it leaves loads and checks out."""
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
+    step = compiled.CompiledStep(eng.target, tmp_path, "child")
+    assert step._in_child()
+    built = {}
+    worker = threading.Thread(target=lambda: built.setdefault("fn", step._build_aot(
+        step.cache_dir / "verify-2.pt2", 2, "default")))
+    worker.start()
+    wait_until(lambda: builder.running(), 30)
+    pid = builder.running()[0]
+    compiled.pause()
+    try:
+        wait_until(lambda: _state(pid) == "T")
+        time.sleep(0.5)
+        assert _state(pid) == "T" and worker.is_alive()
+    finally:
+        compiled.resume()
+    wait_until(lambda: _state(pid) not in ("T", ""), 10)
+    worker.join(600)
+    assert step.built_in == "child" and (step.cache_dir / "verify-2.pt2").exists()
+    assert built["fn"].rows == 2 and step.check_error < 1e-3
+    assert not builder.running()
+
+
+def test_a_failed_child_build_says_why_in_one_line(tiny_llama, tmp_path):
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
+    recipe = dict(eng.target.recipe, path=str(tmp_path / "gone"))
+    with pytest.raises(RuntimeError) as err:
+        builder.build(recipe, tmp_path / "step.pt2", "default", 1, private_cache=True)
+    assert "gone" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "step.pt2").exists() and not builder.running()
+
+
+def test_a_child_build_ends_with_the_chat(tiny_llama, tmp_path):
+    """A process that leaves without cleaning up (os._exit) takes its build with it: no
+    compiler keeps a core busy after the chat is gone."""
+    script = f"""
+import os, sys, threading, time
+sys.path.insert(0, {str(Path(engine.__file__).parent.parent)!r})
+import engine
+from engine import builder
+eng = engine.open({str(tiny_llama)!r}, dtype="float32", drafter="none")
+from pathlib import Path
+threading.Thread(target=builder.build, args=(eng.target.recipe, Path({str(tmp_path)!r}) / "step.pt2", "default", 1, True),
+                 daemon=True).start()
+while not builder.running():
+    time.sleep(0.05)
+print(builder.running()[0], flush=True)
+os._exit(0)
+"""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    child = int(out.stdout.split()[-1])
+    wait_until(lambda: _state(child) in ("", "Z"), 15)

@@ -128,8 +128,13 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
     rotary = type(skeleton.model.rotary_emb)(config=cfg).to(device)
     info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0,
                      qweights._int8_kernel_works(device, act_dtype), qweights._int4_kernel_works(device, act_dtype))
-    return QuantizedTarget(cfg, device, act_dtype,
-                           dict(parts, rotary=rotary, scaling=skeleton.model.layers[0].self_attn.scaling), info)
+    target = QuantizedTarget(cfg, device, act_dtype,
+                             dict(parts, rotary=rotary, scaling=skeleton.model.layers[0].self_attn.scaling), info)
+    # How to load this target again (from the cache just made: engine/builder.py).
+    target.recipe = {"loader": "quantized", "path": str(path), "device": str(device), "weights": weights,
+                     "group_size": group_size, "act_dtype": str(act_dtype).removeprefix("torch."),
+                     "embeddings": embeddings, "cache_dir": str(cache_dir) if cache_dir else None}
+    return target
 
 
 # ---------------------------------------------------------------- model shape, source reading

@@ -23,6 +23,8 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
 
 class ResidentTarget:
     compiled = None              # an engine.compiled.CompiledStep once one is started
+    recipe: dict | None = None   # how to load it again (set by the loaders; engine/builder.py)
+
     def __init__(self, model, device: torch.device, dtype: torch.dtype, fast: bool = True,
                  cache_capacity: int = 1024):
         self._setup(model.config, device, dtype, cache_capacity)
@@ -131,4 +133,8 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
         raise CheckpointError(f"{path}: cannot load the weights ({str(exc).splitlines()[0]}); "
                               "re-download the model") from None
     model.to(device).eval()
-    return ResidentTarget(model, device, dtype, fast=fast)
+    target = ResidentTarget(model, device, dtype, fast=fast)
+    # How to load this target again (a compile builds its package in a child process: engine/builder.py).
+    target.recipe = {"loader": "resident", "path": str(path), "device": str(device),
+                     "dtype": str(dtype).removeprefix("torch."), "fast": fast}
+    return target
