@@ -261,7 +261,8 @@ def compiled_fields(step, m: dict, eager: str) -> dict:
     """What a row says of a compiled contender: how its compile went and its speed
     against the eager contender `eager` of the same run."""
     return {"compiled_state": step.state, "compile_seconds": step.seconds, "compile_mode": step.mode,
-            "compile_source": step.source, "compile_notes": step.notes, "check_error": step.check_error,
+            "compile_source": step.source, "built_in": step.built_in, "compile_notes": step.notes,
+            "check_error": step.check_error,
             "compile_error": step.error, "compiled_tps": m["compiled"],
             "compiled_speedup_vs_eager": m["compiled"] / m[eager]}
 
