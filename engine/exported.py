@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from . import pages
+
 MIN_POS = 2                      # export specialises sizes 0 and 1; position 1 runs eagerly
 # Verify passes are compiled for these numbers of positions; a pass of n positions runs in
 # the smallest that holds it, padded (the padding rows write cache slots past the pass,
@@ -254,6 +256,9 @@ class Package:
             _restore("TMPDIR", old)
 
     def release_files(self) -> None:
+        # The library's copy of the weights was copied out at load: its pages go back
+        # before the files go (a mapped file, deleted, would keep them to the end).
+        pages.drop_file_pages(self._unpacked)
         shutil.rmtree(self._unpacked, ignore_errors=True)
 
     def __call__(self, impl, ids: torch.Tensor, pos: int) -> torch.Tensor:

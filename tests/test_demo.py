@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from engine import pages
 from engine.session import render_prompt
 
 pytestmark = pytest.mark.demo
@@ -148,6 +149,10 @@ def test_compiled_step_equals_generate(reference):
     eng = engine.open(dtype="float32", drafter="none", compile="on")
     step = eng.target.compiled
     assert step.wait(1800), step.error
+    # The package's library carried a copy of the weights (621 MB); it was copied out at
+    # load, and its pages were given back (engine/pages.py).
+    library = [m for m in pages.mappings() if "localchat-step-" in m.path and m.perms.startswith("r--")]
+    assert library and sum(m.fields.get("Rss", 0) for m in library) < 32 << 20
     for prompt in PROMPTS:
         chat = eng.chat()
         done = list(chat.send(prompt, max_new_tokens=64))[-1]
