@@ -23,7 +23,7 @@ from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
 from .sampling import SamplingParams
 from .session import Chat
 from .speculative import DraftController, PassCosts
-from . import compiled, exported
+from . import compiled, exported, package_dirs
 from .target.resident import ResidentTarget, checkpoint_dtype, load_resident
 from .target.quantized import load_quantized
 from .target.streamed import load_streamed
@@ -122,7 +122,8 @@ class Engine:
                     return False
             t.compiled = compiled.CompiledStep(t, root, compiled.cache_key(
                 self.name, self.dtype, _weights_label(t), self.device, compiled.weights_stamp(self.checkpoint.path)),
-                build=build, rows=rows, step=not short)
+                build=build, rows=rows, step=not short,
+                lineage=package_dirs.lineage(self.name, self.dtype, _weights_label(t), self.device))
             t.compiled.start()
         self._compile_drafter(root, build)
         return True
@@ -141,7 +142,7 @@ class Engine:
                 and not _no_room_to_compile(d.target):
             d.target.compiled = compiled.CompiledStep(d.target, root, compiled.cache_key(
                 d.name, d.target.dtype, _weights_label(d.target), self.device, compiled.weights_stamp(d.path) if d.path else ""),
-                build=build)
+                build=build, lineage=package_dirs.lineage(d.name, d.target.dtype, _weights_label(d.target), self.device))
             d.target.compiled.start()
 
     def new_controller(self) -> DraftController:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from . import builder, exported, hardware
+from . import builder, exported, hardware, package_dirs
 from .cache import KVCache
 
 MODE = "max-autotune-unfused"            # engine/exported.py MODES; torch.compile runs "default"
@@ -211,8 +211,10 @@ class CompiledStep:
     and packaged) or "jit" (torch.compile, when no package could be made)."""
 
     def __init__(self, target, cache_dir: Path | None, key: str, mode: str = MODE, build: bool = True,
-                 rows: tuple[int, ...] = (), step: bool = True):
+                 rows: tuple[int, ...] = (), step: bool = True, lineage: str = ""):
         self.target = target
+        self.lineage = lineage           # what the package is a version of (package_dirs.lineage)
+        self._marked = False
         self.step = step                 # False: verify passes only (no memory for the step's own weights)
         self.build = build               # False: only load a package an earlier start built
         self.mode = mode
@@ -411,9 +413,23 @@ class CompiledStep:
         package = exported.Package(path, rows, weights_of=self.target.impl if rows > 1 else None)
         try:
             self._check(package, rows)
-            return package
         finally:
             package.release_files()
+        self._used()
+        return package
+
+    def _used(self) -> None:
+        """A package of this directory checked out: mark the directory used, and remove
+        stale ones beside it (engine/package_dirs.py); once per start."""
+        if self._marked:
+            return
+        self._marked = True
+        try:
+            if self.lineage:
+                package_dirs.mark_used(self.cache_dir, self.lineage)
+            package_dirs.sweep_stale(self.cache_dir)
+        except OSError:
+            pass                             # a read-only cache dir still serves its packages
 
     def _first_that_builds(self):
         with _building_now():

@@ -541,3 +541,41 @@ os._exit(0)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     child = int(out.stdout.split()[-1])
     wait_until(lambda: _state(child) in ("", "Z"), 15)
+
+
+def test_stale_package_dirs_are_swept(tmp_path):
+    from engine import package_dirs as pd
+    day, now = 86400, time.time()
+    me = pd.lineage("demo", torch.float32, "exact", torch.device("cpu"))
+    other = pd.lineage("demo", torch.bfloat16, "exact", torch.device("cpu"))
+
+    def folder(name, of, idle_days):
+        f = tmp_path / name
+        f.mkdir()
+        (f / "step.pt2").write_bytes(b"x")
+        if of is not None:
+            pd.mark_used(f, of)
+        for p in (f / "step.pt2", *([f / pd.META] if of is not None else []), f):
+            os.utime(p, (now - idle_days * day, now - idle_days * day))
+        return f
+
+    own = folder("own", me, 0)
+    superseded = folder("old-torch", me, pd.SUPERSEDED_DAYS + 1)
+    recent_twin = folder("other-install", me, pd.SUPERSEDED_DAYS - 2)    # two installs, used in turn
+    other_kind = folder("bf16", other, pd.SUPERSEDED_DAYS + 1)
+    forgotten = folder("forgotten", other, pd.UNUSED_DAYS + 1)
+    unmarked_old = folder("unmarked-old", None, pd.UNUSED_DAYS + 1)
+    unmarked = folder("unmarked", None, pd.SUPERSEDED_DAYS + 1)
+
+    removed = pd.sweep_stale(own, now=now)
+
+    assert sorted(removed) == sorted([superseded, forgotten, unmarked_old])
+    assert all(not f.exists() for f in removed)
+    assert all(f.exists() for f in (own, recent_twin, other_kind, unmarked))
+
+
+def test_a_used_package_dir_is_marked_with_what_it_is_for(compiled_engine):
+    from engine import package_dirs
+    step = compiled_engine.target.compiled
+    assert package_dirs.lineage_of(step.cache_dir) == step.lineage
+    assert step.lineage == f"{compiled_engine.name}|float32|exact|cpu"
