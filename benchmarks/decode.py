@@ -166,19 +166,28 @@ def drafter_row(args) -> dict:
         e.stop_ids = frozenset()
     comp.target.compiled.wait()
     comp.drafter.target.compiled.wait()
+    # The same compiled target without a drafter (it loads the package just built): what
+    # drafting has to beat.
+    plain = engine.open(dtype="float32", drafter="none", compile="on",
+                        cache_dir=comp.target.compiled.cache_dir.parent.parent)
+    plain.stop_ids = frozenset()
+    plain.target.compiled.wait()
     ids = torch.tensor([render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])])
     ref = AutoModelForCausalLM.from_pretrained(eng.checkpoint.path, dtype=torch.float32).eval()
-    samples = {"generate": [], "eager": [], "compiled": []}
+    samples = {"generate": [], "eager": [], "compiled": [], "compiled_plain": []}
     for _ in range(args.runs + 1):                     # the first round warms up
         samples["generate"].append((generate_once(ref, ids, args.tokens), 1.0, 0.0))
         samples["eager"].append(spec_once(eng, args.tokens))
         samples["compiled"].append(spec_once(comp, args.tokens))
+        samples["compiled_plain"].append(spec_once(plain, args.tokens))
     m = {k: [median([x[i] for x in v[1:]]) for i in range(3)] for k, v in samples.items()}
     return {"weights": "float32 target + int4 self-drafter", "generate_float32_tps": m["generate"][0],
             "eager_tps": m["eager"][0], "eager_tokens_per_pass": m["eager"][1], "eager_acceptance": m["eager"][2],
             "compiled_tps": m["compiled"][0], "compiled_tokens_per_pass": m["compiled"][1],
             "compiled_acceptance": m["compiled"][2], "compiled_speedup_vs_eager": m["compiled"][0] / m["eager"][0],
             "compiled_vs_generate_float32": m["compiled"][0] / m["generate"][0],
+            "compiled_plain_tps": m["compiled_plain"][0], "plain_source": plain.target.compiled.source,
+            "compiled_vs_compiled_plain": m["compiled"][0] / m["compiled_plain"][0],
             "states": [comp.target.compiled.state, comp.drafter.target.compiled.state],
             "compile_seconds": [comp.target.compiled.seconds, comp.drafter.target.compiled.seconds]}
 
