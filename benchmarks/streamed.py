@@ -101,6 +101,19 @@ def airllm(path: Path, prompt_ids: list[int], tokens: int) -> dict | None:
     return data
 
 
+def resident_and_streamed(share: float):
+    """The demo model in float32 held whole, and streamed with a weight budget that keeps
+    `share` of it resident (plain decoding both): (resident, streamed, budget, weight bytes)."""
+    resident = engine.open(dtype="float32", drafter="none")
+    path, dev = resident.checkpoint.path, resident.device
+    total = sum(e.nbytes for e in checkpoint.tensor_index(path).values())
+    budget = minimum_budget(path, dev, torch.float32) + int(total * share)
+    target = load_streamed(path, dev, torch.float32, weight_budget=budget, context=4096)
+    streamed = engine.Engine(resident.checkpoint, resident.tokenizer, target)
+    streamed.set_drafter("none")
+    return resident, streamed, budget, total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
@@ -112,13 +125,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "streamed.json"))
     args = ap.parse_args()
 
-    resident = engine.open(dtype="float32", drafter="none")
-    path, dev = resident.checkpoint.path, resident.device
-    total = sum(e.nbytes for e in checkpoint.tensor_index(path).values())
-    budget = minimum_budget(path, dev, torch.float32) + int(total * args.share)
-    target = load_streamed(path, dev, torch.float32, weight_budget=budget, context=4096)
-    streamed = engine.Engine(resident.checkpoint, resident.tokenizer, target)
-    streamed.set_drafter("none")
+    resident, streamed, budget, total = resident_and_streamed(args.share)
+    target = streamed.target
     info = target.describe()
     print(f"budget {budget / 1e6:.0f} MB of {total / 1e6:.0f} MB: {info}", flush=True)
 
@@ -162,7 +170,7 @@ def main() -> None:
     print(json.dumps(rows, indent=1), flush=True)
 
     prompt_ids = render_prompt(resident.tokenizer, [{"role": "user", "content": PROMPT}])
-    air = airllm(path, list(prompt_ids), args.airllm_tokens)
+    air = airllm(resident.checkpoint.path, list(prompt_ids), args.airllm_tokens)
     if air and "tok_per_s" in air:
         air["streamed_warm_vs_airllm"] = rows["warm"]["tps"] / air["tok_per_s"]
         air["streamed_cold_vs_airllm"] = rows["cold"]["tps"] / air["tok_per_s"]

@@ -24,10 +24,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import engine  # noqa: E402
 from common import machine, median, write_json  # noqa: E402
-from engine import checkpoint, exported  # noqa: E402
-from engine.target.streamed import load_streamed, minimum_budget  # noqa: E402
+from engine import exported  # noqa: E402
+from streamed import resident_and_streamed  # noqa: E402
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -86,14 +85,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "streamed_compiled.json"))
     args = ap.parse_args()
 
-    resident = engine.open(dtype="float32", drafter="none")
-    path, dev = resident.checkpoint.path, resident.device
-    total = sum(e.nbytes for e in checkpoint.tensor_index(path).values())
-    budget = minimum_budget(path, dev, torch.float32) + int(total * args.share)
-    target = load_streamed(path, dev, torch.float32, weight_budget=budget, context=4096)
-    streamed = engine.Engine(resident.checkpoint, resident.tokenizer, target)
-    streamed.set_drafter("none")
-    impl = target.impl
+    resident, streamed, budget, total = resident_and_streamed(args.share)
+    impl = streamed.target.impl
     eager_layer, fast_layer = impl._layer, compiled_layers(impl)
     t = time.perf_counter()
     impl._layer = fast_layer
