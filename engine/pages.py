@@ -38,9 +38,6 @@ class Mapping:
     def size(self) -> int:
         return self.end - self.start
 
-    def __repr__(self) -> str:
-        return f"Mapping({self.start:#x}-{self.end:#x} {self.perms} {self.path!r})"
-
 
 def mappings() -> list[Mapping]:
     """This process's mappings; [] where there is no /proc."""
