@@ -180,6 +180,15 @@ def test_one_shot_with_compile_on_answers_without_waiting_for_the_compile(tiny_l
     assert "compiling in the background" in err and "Traceback" not in err
 
 
+def test_a_one_shot_answer_decodes_eagerly_by_default():
+    # --compile auto: the chat UI compiles; a one-shot answer neither builds a step nor
+    # loads a built one (during the answer that costs more than it gains, see
+    # localchat/cli.py compile_mode); --compile on still asks for it.
+    assert cli.compile_mode(config.Settings(compile="auto"), interactive=True) == "auto"
+    assert cli.compile_mode(config.Settings(compile="auto"), interactive=False) == "off"
+    assert cli.compile_mode(config.Settings(compile="on"), interactive=False) == "on"
+
+
 def test_compile_flag_and_setting_are_checked(tiny_llama):
     proc = run_cli("--compile", "sometimes", "hi")
     assert proc.returncode == 2 and b"--compile" in proc.stderr

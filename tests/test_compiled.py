@@ -197,6 +197,39 @@ def test_a_verify_bucket_that_is_not_faster_stays_eager(verify_engine, tiny_llam
     assert t.cache.length == 6
 
 
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="an OpenMP team of one thread adds no thread")
+def test_a_compile_thread_waiting_for_an_answer_holds_no_openmp_team(verify_engine, tiny_llama, compile_cache):
+    """A warm start while an answer runs: the step loads (and is checked, a parallel torch
+    op), then the verify buckets wait for the answer to end. The waiting thread must not
+    hold an OpenMP team: a second team makes libgomp sleep between the parallel regions of
+    the thread that decodes. Counted in OS threads: the waiting worker is one, and when it
+    has ended there is one fewer (a team would be one or more besides)."""
+    key = verify_engine.target.compiled.cache_dir.name
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="ngram", max_draft=3, cache_dir=compile_cache)
+    torch.randn(256, 256) @ torch.randn(256, 256)           # this thread's own team, as a decoding thread has
+
+    def threads():
+        # A team's threads leave a few hundred milliseconds after the thread that owned it.
+        counts = []
+        while len(counts) < 5 or len(set(counts[-5:])) > 1:
+            counts.append(len(os.listdir("/proc/self/task")))
+            time.sleep(0.2)
+        return counts[-1]
+    compiled.pause()
+    try:
+        step = eng.target.compiled = compiled.CompiledStep(eng.target, compile_cache, key, build=False, rows=(2, 4))
+        step.start()
+        assert step.wait(300) and step.state == "ready"    # the step loads during an answer
+        waiting = threads()
+        assert step.passes_state == "compiling" and not step.passes    # the buckets wait for it to end
+    finally:
+        compiled.resume()
+    assert step.wait_passes(300) and sorted(step.passes) == [2, 4]
+    wait_until(lambda: not compiled.busy() and not any(
+        t.name.startswith("localchat-compile") for t in threading.enumerate()))
+    assert waiting - threads() == 1
+
+
 def test_verify_passes_without_memory_for_the_step(tiny_llama, tmp_path, monkeypatch):
     # No room for the step's copy of the weights: the passes, which use the forward's
     # own, are still wanted (here only loaded: cached mode on an empty cache builds nothing).
