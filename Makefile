@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/decode.py
 	$(BIN)/python benchmarks/decode.py --dtypes "" --formats "" --drafter --out benchmarks/results/decode-drafter.json
 	$(BIN)/python benchmarks/step_pages.py
+	$(BIN)/python benchmarks/oneshot_start.py
 	$(BIN)/python benchmarks/speculative.py
 	$(BIN)/python benchmarks/speculative.py --dtype bfloat16 --no-model-drafter --out benchmarks/results/speculative-bf16.json
 	$(BIN)/python benchmarks/speculative.py --drafter-weights int4 --out benchmarks/results/speculative-self-int4.json

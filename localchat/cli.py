@@ -184,10 +184,10 @@ def compile_mode(settings: config_mod.Settings, interactive: bool) -> str:
     """--compile auto compiles for the chat UI, whose sessions last long enough to gain
     from it. A one-shot answer decodes eagerly: it would not live to use a build, and even
     loading a step an earlier start built costs more than it gains unless the answer is
-    long. Measured on the demo model, float32, 128 tokens: the load during the answer
-    pushed the first token from 0.11 to 0.52 s and stalled the stream for 1.3 s, and the
-    answer took 6.0 s against 4.7 s eager; it pays after about 300 tokens. --compile on
-    asks for it anyway."""
+    long. Measured on the demo model, float32, 128 tokens (benchmarks/oneshot_start.py):
+    the load during the answer pushed the first token from 0.14 to 0.55 s and stalled the
+    stream for 1.1 s, and the answer took 6.6 s against 5.5 s eager; it pays after about
+    250-300 tokens. --compile on asks for it anyway."""
     if settings.compile == "auto":
         return "auto" if interactive else "off"
     return settings.compile
