@@ -120,10 +120,8 @@ class Engine:
                 self.compile_note = f"the target decodes eagerly: {short}"
                 if not rows:
                     return False
-            t.compiled = compiled.CompiledStep(t, root, compiled.cache_key(
-                self.name, self.dtype, _weights_label(t), self.device, compiled.weights_stamp(self.checkpoint.path)),
-                build=build, rows=rows, step=not short,
-                lineage=package_dirs.lineage(self.name, self.dtype, _weights_label(t), self.device))
+            t.compiled = _compiled_step(t, self.name, self.dtype, self.checkpoint.path, root, self.device,
+                                        build=build, rows=rows, step=not short)
             t.compiled.start()
         self._compile_drafter(root, build)
         return True
@@ -140,9 +138,8 @@ class Engine:
         d = self.drafter
         if d.kind == "model" and _compilable(d.target) and d.target.compiled is None \
                 and not _no_room_to_compile(d.target):
-            d.target.compiled = compiled.CompiledStep(d.target, root, compiled.cache_key(
-                d.name, d.target.dtype, _weights_label(d.target), self.device, compiled.weights_stamp(d.path) if d.path else ""),
-                build=build, lineage=package_dirs.lineage(d.name, d.target.dtype, _weights_label(d.target), self.device))
+            d.target.compiled = _compiled_step(d.target, d.name, d.target.dtype, d.path, root, self.device,
+                                               build=build)
             d.target.compiled.start()
 
     def new_controller(self) -> DraftController:
@@ -301,6 +298,15 @@ def _no_room_to_compile(target) -> str:
         return ""
     return (f"a compiled step needs {need / 2**30:.1f} GiB more memory (its own copy of the weights) "
             f"and {free / 2**30:.1f} GiB is free")
+
+
+def _compiled_step(target, name: str, dtype, path, root: Path, device, **kw) -> compiled.CompiledStep:
+    """The compiled step of `target` (model `name`, weights at `path`), kept in its
+    package directory under `root` (engine/package_dirs.py)."""
+    weights = _weights_label(target)
+    stamp = package_dirs.weights_stamp(path) if path else ""
+    return compiled.CompiledStep(target, root, package_dirs.cache_key(name, dtype, weights, device, stamp),
+                                 lineage=package_dirs.lineage(name, dtype, weights, device), **kw)
 
 
 def _weights_label(target) -> str:

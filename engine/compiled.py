@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import hashlib
 import os
 import queue
 import threading
@@ -146,30 +145,6 @@ def _submit(job, done: threading.Event) -> None:
             if _yield_to_answers not in gc.callbacks:
                 gc.callbacks.append(_yield_to_answers)
             _worker.start()
-
-
-def cache_key(name: str, dtype: torch.dtype, weights: str, device: torch.device, stamp: str = "") -> str:
-    """The directory name a compiled step is kept under: it is only valid for the model
-    (and the very weights, `stamp`: a package holds a copy of them), dtype, weight format,
-    torch build, device and the CPU's instruction set it was made for."""
-    isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else ""
-    raw = f"{name}|{stamp}|{dtype}|{weights}|{torch.__version__}|{device.type}|{isa}|{exported.FORMAT}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
-
-
-def weights_stamp(path: Path) -> str:
-    """Names, sizes and modification times of a checkpoint's files: a re-downloaded or
-    re-converted model gets a new key instead of an old package's weights."""
-    path = Path(path)
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    return ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
-
-
-def cached_steps(root: Path) -> list[tuple[Path, int]]:
-    """The packages built under the cache dir `root`, with their sizes (each holds a copy
-    of its model's weights: `localchat doctor` shows where the disk went)."""
-    folder = Path(root) / "inductor"
-    return [(p, p.stat().st_size) for p in sorted(folder.glob("*/*.pt2"))] if folder.is_dir() else []
 
 
 def _as_parameters(impl) -> None:

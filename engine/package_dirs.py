@@ -1,6 +1,6 @@
 """The directories compiled packages are kept in (`<cache>/inductor/<key>/`, one per
-model, weight files, dtype, format, torch build, device and CPU: engine/compiled.py
-cache_key), marked when used and removed once stale.
+model, weight files, dtype, format, torch build, device and CPU: cache_key), what is in
+them (cached_steps), marked when used and removed once stale.
 
 A key changes whenever what a package was built from changes: the model re-downloaded,
 torch upgraded, packages built another way (exported.FORMAT). The new key gets a new
@@ -19,14 +19,43 @@ looked at:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
 
+import torch
+
+from . import exported
+
 SUPERSEDED_DAYS = 7
 UNUSED_DAYS = 30
 META = "meta.json"
+
+
+def cache_key(name: str, dtype: torch.dtype, weights: str, device: torch.device, stamp: str = "") -> str:
+    """The directory name a compiled step is kept under: it is only valid for the model
+    (and the very weights, `stamp`: a package holds a copy of them), dtype, weight format,
+    torch build, device and the CPU's instruction set it was made for."""
+    isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else ""
+    raw = f"{name}|{stamp}|{dtype}|{weights}|{torch.__version__}|{device.type}|{isa}|{exported.FORMAT}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def weights_stamp(path: Path) -> str:
+    """Names, sizes and modification times of a checkpoint's files: a re-downloaded or
+    re-converted model gets a new key instead of an old package's weights."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+
+
+def cached_steps(root: Path) -> list[tuple[Path, int]]:
+    """The packages built under the cache dir `root`, with their sizes (each holds a copy
+    of its model's weights: `localchat doctor` shows where the disk went)."""
+    folder = Path(root) / "inductor"
+    return [(p, p.stat().st_size) for p in sorted(folder.glob("*/*.pt2"))] if folder.is_dir() else []
 
 
 def lineage(name: str, dtype, weights: str, device) -> str:

@@ -113,8 +113,8 @@ def doctor_main(argv: list[str]) -> int:
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
-    from engine import compiled
-    steps = compiled.cached_steps(checkpoint.default_cache_dir())
+    from engine import package_dirs
+    steps = package_dirs.cached_steps(checkpoint.default_cache_dir())
     if args.json:
         out = {"hardware": _hw_dict(hw), "model": {"name": ckpt.name, "path": str(ckpt.path),
                                                    "params": shape.params, "dtype_bytes": shape.dtype_bytes},

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import engine
-from engine import builder, compiled
+from engine import builder, compiled, package_dirs
 from tiny import build_model
 
 PROMPT = "the cat sat on the mat and the dog"
@@ -502,11 +502,11 @@ def test_every_step_compiles_its_own_code_object():
 
 
 def test_cache_key_separates_what_a_graph_is_valid_for():
-    a = compiled.cache_key("m", torch.float32, "exact", torch.device("cpu"))
-    assert a == compiled.cache_key("m", torch.float32, "exact", torch.device("cpu"))
-    assert a != compiled.cache_key("m", torch.bfloat16, "exact", torch.device("cpu"))
-    assert a != compiled.cache_key("other", torch.float32, "exact", torch.device("cpu"))
-    assert a != compiled.cache_key("m", torch.float32, "exact", torch.device("cpu"), stamp="weights v2")
+    a = package_dirs.cache_key("m", torch.float32, "exact", torch.device("cpu"))
+    assert a == package_dirs.cache_key("m", torch.float32, "exact", torch.device("cpu"))
+    assert a != package_dirs.cache_key("m", torch.bfloat16, "exact", torch.device("cpu"))
+    assert a != package_dirs.cache_key("other", torch.float32, "exact", torch.device("cpu"))
+    assert a != package_dirs.cache_key("m", torch.float32, "exact", torch.device("cpu"), stamp="weights v2")
 
 
 def _state(pid: int) -> str:
