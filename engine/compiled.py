@@ -27,11 +27,8 @@ so they cost no memory beyond the forward's; a chat uses each bucket as it goes 
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
 import os
-import queue
 import threading
 import time
 import types
@@ -41,6 +38,7 @@ from pathlib import Path
 import torch
 
 from . import builder, exported, hardware, package_dirs
+from . import compile_worker as worker
 from .cache import KVCache
 
 MODE = "max-autotune-unfused"            # engine/exported.py MODES; torch.compile runs "default"
@@ -54,98 +52,6 @@ STATES = ("off", "compiling", "ready", "failed")
 CHILD_BUILDS = True
 # A TORCHINDUCTOR_CACHE_DIR the user set wins; otherwise each model gets its own directory.
 _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
-
-# Compiling is pure Python most of the time and holds the GIL; an eager step needs the
-# GIL back after each of its ~450 operator calls and waits up to the switch interval
-# (5 ms) each time. Measured: decoding fell from ~30 to 0.7 tok/s while a compile ran.
-# So compiling pauses, process-wide, while any answer is generated (engine/session.py
-# calls pause and resume), and runs while the user reads and types.
-#
-# Where it pauses: at the compile thread's next garbage collection. The compiler builds
-# graphs, nodes and code as Python objects all the time (collections count objects kept,
-# not freed), so collections come every fraction of a millisecond of its work, and a gc
-# callback costs one call per collection. (A
-# sys.setprofile hook, the obvious tool, runs on every function call and return of
-# the compiler: it made compiles 1.4x slower on the tiny model and several times
-# slower on the demo model.) While the thread waits inside the callback no other
-# thread collects, which an answer does not miss.
-_go = threading.Event()
-_go.set()
-_answering = 0
-_lock = threading.Lock()
-# Steps are compiled one after another by one worker thread (a target's step, then its
-# drafter's): two compiles at once would only share the same cores. The worker ends when
-# its queue is empty (the next job starts a new one): a thread that has run a parallel
-# torch op keeps an OpenMP team for as long as it lives, and with a second team in the
-# process (the one decoding) libgomp stops spin-waiting between parallel regions once its
-# threads outnumber the cores. Measured on the demo model, two cores, float32: the
-# compiled step 36 ms with an idle worker alive, 21 ms once it had ended; eager GEMVs
-# over the same weights 33 against 22 ms.
-_queue: "queue.Queue[tuple]" = queue.Queue()        # (job, its done event)
-_worker: threading.Thread | None = None
-_pending = 0
-# Only building parks: loading a package from disk takes a second or two, mostly outside
-# the interpreter, and a warm start should decode its first answer with it.
-_building = False
-
-
-def pause() -> None:
-    global _answering
-    with _lock:
-        _answering += 1
-        _go.clear()
-        builder.stop()               # a build in a child process stops outright
-
-
-def resume() -> None:
-    global _answering
-    with _lock:
-        _answering = max(0, _answering - 1)
-        if _answering == 0:
-            _go.set()
-            builder.go_on()
-
-
-def _yield_to_answers(phase: str, info: dict) -> None:
-    if phase == "stop" and _building and not _go.is_set() and _worker is not None \
-            and threading.get_ident() == _worker.ident:
-        _go.wait()                   # releases the GIL until the answers are done
-
-
-def busy() -> bool:
-    """Whether a compile is queued or running. A process that ends then should leave with
-    os._exit after flushing its output: interpreter teardown under a thread that is inside
-    the compiler can abort the process."""
-    return _pending > 0
-
-
-def _work() -> None:
-    global _pending, _worker
-    while True:
-        with _lock:              # taken and found empty under the lock _submit puts under
-            if _queue.empty():
-                _worker = None
-                return           # the thread ends, and its OpenMP team with it
-            job, done = _queue.get_nowait()
-        try:
-            job()
-        finally:
-            with _lock:
-                _pending -= 1
-            done.set()
-
-
-def _submit(job, done: threading.Event) -> None:
-    global _worker, _pending
-    with _lock:
-        _pending += 1
-        _queue.put((job, done))
-        if _worker is None or not _worker.is_alive():      # (not alive: a job raised past its own guard)
-            _worker = threading.Thread(target=_work, name="localchat-compile", daemon=True)
-            if _yield_to_answers not in gc.callbacks:
-                gc.callbacks.append(_yield_to_answers)
-            _worker.start()
-
 
 def _as_parameters(impl) -> None:
     """Freezing folds parameters into the graph (plain tensors reached through Python
@@ -218,7 +124,7 @@ class CompiledStep:
         _as_parameters(impl)
         # The rotary table the real step will read: built now, shared with the scratch copy.
         impl._rope(0, self.target.cache.capacity, impl.norm)
-        _submit(self._compile, self._done)
+        worker.submit(self._compile, self._done)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the compile ends (tests and benchmarks); True when it is ready."""
@@ -275,7 +181,7 @@ class CompiledStep:
             # the step gains more per second of compiling. A compiler that failed on the
             # step is not asked for more.
             if self.rows and self.state != "failed":
-                _submit(self._compile_passes, self._passes_done)
+                worker.submit(self._compile_passes, self._passes_done)
             else:
                 self._passes_done.set()
 
@@ -287,19 +193,19 @@ class CompiledStep:
         self.rows = tuple(sorted({*self.rows, *more}))
         if self.state != "compiling":        # else the step's job queues the passes when it ends
             self._passes_done = threading.Event()
-            _submit(self._compile_passes, self._passes_done)
+            worker.submit(self._compile_passes, self._passes_done)
 
     def _compile_passes(self) -> None:
         for rows in [r for r in self.rows if r not in self.passes and r not in self._gave_up]:
             path = self.cache_dir / f"verify-{rows}.pt2"
             # Buckets load (and build) between answers: loading one during an answer
             # slowed a warm start's first answer (one-shot, demo model) from 40 to 30 tok/s
-            # for the two seconds it took. (This thread holds no OpenMP team: _off_thread.)
-            _go.wait()
+            # for the two seconds it took. (This thread holds no OpenMP team: worker.off_thread.)
+            worker.wait_for_answers()
             try:
                 package = self._load(path, rows, f"cached verify pass of {rows}")
                 if package is None and self.build:
-                    with _building_now():
+                    with worker.building():
                         package = self._build_aot(path, rows, "default")
                 if package is None:
                     self._gave_up.add(rows)
@@ -319,24 +225,24 @@ class CompiledStep:
     def _race_when_idle(self, package, rows: int) -> tuple[float, float]:
         """_race, while no answer is generated (it would slow the answer and be slowed by
         it): a race that an answer interrupts waits for it to end, on this thread, which
-        holds no OpenMP team (_off_thread), and starts again."""
+        holds no OpenMP team (worker.off_thread), and starts again."""
         while True:
-            _go.wait()
+            worker.wait_for_answers()
             try:
-                return _off_thread(self._race, package, rows)
-            except _Later:
+                return worker.off_thread(self._race, package, rows)
+            except worker.Later:
                 continue
 
     def _race(self, package, rows: int, reps: int = 5) -> tuple[float, float]:
         """Median milliseconds of the eager and the compiled pass of `rows` positions, run
-        in turn on scratch caches; _Later if an answer starts meanwhile."""
+        in turn on scratch caches; worker.Later if an answer starts meanwhile."""
         eager, fast = self._scratch(dynamic=False), self._scratch(dynamic=False)
         ids = torch.arange(1, rows + 1, dtype=torch.long, device=self.target.device)
         times: tuple[list[float], list[float]] = ([], [])
         with torch.inference_mode():
             for i in range(2 * reps + 2):
-                if not _go.is_set():
-                    raise _Later
+                if worker.answering():
+                    raise worker.Later
                 t0 = time.perf_counter()
                 if i % 2:
                     package(fast, ids, exported.MIN_POS)
@@ -399,8 +305,8 @@ class CompiledStep:
     def _open(self, path: Path, rows: int = 1):
         """The package at `path`, loaded (a verify pass given the forward's weights) and
         checked; its unpacked files are removed once the check has run it (it lives in
-        memory from then on). On a thread that ends with it (_off_thread)."""
-        package = _off_thread(self._open_here, path, rows)
+        memory from then on). On a thread that ends with it (worker.off_thread)."""
+        package = worker.off_thread(self._open_here, path, rows)
         self._used()
         return package
 
@@ -426,7 +332,7 @@ class CompiledStep:
             pass                             # a read-only cache dir still serves its packages
 
     def _first_that_builds(self):
-        with _building_now():
+        with worker.building():
             return self._try_builds()
 
     def _try_builds(self):
@@ -526,17 +432,6 @@ class CompiledStep:
             return None
 
 
-@contextlib.contextmanager
-def _building_now():
-    """Mark the worker as building (it parks while answers run, see _yield_to_answers)."""
-    global _building
-    _building = True
-    try:
-        yield
-    finally:
-        _building = False
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -549,36 +444,6 @@ def _guarded(fn):
         with torch.compiler.set_stance("fail_on_recompile"):
             return fn(impl, ids, pos)
     return step
-
-
-class _Later(Exception):
-    """A race found an answer running: it is run again once the answers are done."""
-
-
-def _off_thread(fn, *args):
-    """fn(*args) on a thread of its own that ends with it; its result, or its exception.
-
-    A thread that runs a parallel torch operation keeps an OpenMP team for as long as it
-    lives, and a second team in the process makes libgomp sleep between the parallel
-    regions of the thread that decodes (see _worker). The compile worker waits a long time
-    (on a child's build, for answers to end), so its torch work (loading and checking a
-    package, racing it) runs here and takes its team with it. Measured on the demo model,
-    a one-shot warm start with the n-gram drafter: its answer decoded at 22 tok/s with the
-    compiled step live, against 39 without the drafter, while the worker that had checked
-    the step waited with its team to race the verify buckets."""
-    out: dict = {}
-
-    def run():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as exc:         # handed to the caller's thread
-            out["error"] = exc
-    t = threading.Thread(target=run, name="localchat-compile-work", daemon=True)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def _why(exc: BaseException) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from . import compiled
+from . import compile_worker
 from . import decode as decoding
 from . import speculative
 from .cache import common_prefix
@@ -124,7 +124,7 @@ class Chat:
         generated: list[int] = []
         reason, error = "length", ""
         tracker = None
-        compiled.pause()               # a running compile would starve this answer of the GIL
+        compile_worker.pause()               # a running compile would starve this answer of the GIL
         try:
             prompt, prompt_text = self._prompt()
             eng.claim_cache(self)
@@ -164,7 +164,7 @@ class Chat:
             reason = "cancelled"
             raise
         finally:
-            compiled.resume()
+            compile_worker.resume()
             tail = detok.flush()
             if tail:
                 answer["content"] += tail

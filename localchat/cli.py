@@ -195,9 +195,9 @@ def compile_mode(settings: config_mod.Settings, interactive: bool) -> str:
 
 def _leave(code: int) -> int:
     """Exit code passthrough, except while a background compile still runs: then flush and
-    leave at once (engine.compiled.busy says why)."""
-    import engine.compiled
-    if engine.compiled.busy():
+    leave at once (engine.compile_worker.busy says why)."""
+    import engine.compile_worker
+    if engine.compile_worker.busy():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import engine
-from engine import builder, compiled, package_dirs
+from engine import compile_worker, compiled
 from tiny import build_model
+from waiting import wait_until
 
 PROMPT = "the cat sat on the mat and the dog"
 
@@ -81,7 +82,7 @@ def test_cached_mode_loads_a_built_step_and_never_builds_one(compiled_engine, ti
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", compile="cached", cache_dir=tmp_path)
     step = eng.target.compiled
     assert not step.wait(60) and step.state == "off"
-    assert not step.package.exists() and not compiled.busy()
+    assert not step.package.exists() and not compile_worker.busy()
 
 
 def test_doctor_shows_the_built_steps_and_their_size(compiled_engine, tiny_llama, compile_cache):
@@ -215,7 +216,7 @@ def test_a_compile_thread_waiting_for_an_answer_holds_no_openmp_team(verify_engi
             counts.append(len(os.listdir("/proc/self/task")))
             time.sleep(0.2)
         return counts[-1]
-    compiled.pause()
+    compile_worker.pause()
     try:
         step = eng.target.compiled = compiled.CompiledStep(eng.target, compile_cache, key, build=False, rows=(2, 4))
         step.start()
@@ -223,9 +224,9 @@ def test_a_compile_thread_waiting_for_an_answer_holds_no_openmp_team(verify_engi
         waiting = threads()
         assert step.passes_state == "compiling" and not step.passes    # the buckets wait for it to end
     finally:
-        compiled.resume()
+        compile_worker.resume()
     assert step.wait_passes(300) and sorted(step.passes) == [2, 4]
-    wait_until(lambda: not compiled.busy() and not any(
+    wait_until(lambda: not compile_worker.busy() and not any(
         t.name.startswith("localchat-compile") for t in threading.enumerate()))
     assert waiting - threads() == 1
 
@@ -425,186 +426,12 @@ def test_pass_costs_are_measured_afresh_when_a_step_goes_live():
     assert ctl.t_verify(4) == ctl.t_verify(3) == costs.t_pass[4]
 
 
-class BusyCompile(compiled.CompiledStep):
-    """Stands in for the compiler's Python work (allocating all the time) on the real
-    compile thread, counting how far it got."""
-
-    def __init__(self):
-        super().__init__(None, None, "busy")
-        self.count = 0
-        self.stop = threading.Event()
-
-    def _try_builds(self):
-        kept = []
-        while not self.stop.is_set():
-            # Like a compiler building graphs, it keeps what it allocates, so collections
-            # come every few rounds (objects freed at once would not count towards one).
-            kept.append([[] for _ in range(100)])
-            if len(kept) > 1000:
-                kept = []
-            self.count += 1
-
-
-def wait_until(condition, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def test_the_compile_thread_parks_while_an_answer_runs():
-    step = BusyCompile()
-    compiled._submit(step._compile, step._done)
-    wait_until(lambda: step.count > 0)
-    compiled.pause()
-    try:
-        time.sleep(0.2)                      # it parks at its next collection
-        before = step.count
-        time.sleep(0.3)
-        assert step.count == before and compiled.busy()
-    finally:
-        compiled.resume()
-    wait_until(lambda: step.count > before)  # and goes on once the answers are done
-    step.stop.set()
-    assert step.wait(10) and not compiled.busy()
-
-
-def test_the_compile_worker_ends_when_its_queue_is_empty():
-    """An idle worker must not stay: a thread that ran a parallel torch op keeps its OpenMP
-    team while it lives, and a second team makes libgomp sleep between parallel regions of
-    the thread that decodes. A job queued by a job runs on the same worker; a job submitted
-    later starts a new one."""
-    seen, first, second = [], threading.Event(), threading.Event()
-
-    def job():
-        seen.append(threading.current_thread())
-        torch.randn(512, 512) @ torch.randn(512, 512)       # a team for this thread
-        compiled._submit(lambda: seen.append(threading.current_thread()), first)
-
-    compiled._submit(job, threading.Event())
-    assert first.wait(10)
-    worker = seen[0]
-    worker.join(10)
-    assert seen[1] is worker and not worker.is_alive() and not compiled.busy()
-    compiled._submit(lambda: seen.append(threading.current_thread()), second)
-    assert second.wait(10)
-    assert seen[2] is not worker and seen[2].name == "localchat-compile"
-    seen[2].join(10)
-    assert not seen[2].is_alive()
-
-
 def test_every_step_compiles_its_own_code_object():
     # Dynamo's graphs and its recompile limit (8) are per code object: a process that
     # compiles several targets and drafters must not pile them onto one.
     a, b = compiled._own_step(), compiled._own_step()
     assert a.__code__ is not b.__code__ and a.__code__ is not compiled._step.__code__
     assert a.__code__ == compiled._step.__code__
-
-
-def test_cache_key_separates_what_a_graph_is_valid_for():
-    a = package_dirs.cache_key("m", torch.float32, "exact", torch.device("cpu"))
-    assert a == package_dirs.cache_key("m", torch.float32, "exact", torch.device("cpu"))
-    assert a != package_dirs.cache_key("m", torch.bfloat16, "exact", torch.device("cpu"))
-    assert a != package_dirs.cache_key("other", torch.float32, "exact", torch.device("cpu"))
-    assert a != package_dirs.cache_key("m", torch.float32, "exact", torch.device("cpu"), stamp="weights v2")
-
-
-def _state(pid: int) -> str:
-    """A process's state letter (T: stopped), "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return ""
-
-
-def test_a_child_build_stops_while_an_answer_runs(tiny_llama, tmp_path):
-    """A package built in a child process: the whole child is stopped (not slowed) while an
-    answer runs and goes on after, and the package it leaves loads and checks out."""
-    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
-    step = compiled.CompiledStep(eng.target, tmp_path, "child")
-    assert step._in_child()
-    built = {}
-    worker = threading.Thread(target=lambda: built.setdefault("fn", step._build_aot(
-        step.cache_dir / "verify-2.pt2", 2, "default")))
-    worker.start()
-    wait_until(lambda: builder.running(), 30)
-    pid = builder.running()[0]
-    compiled.pause()
-    try:
-        wait_until(lambda: _state(pid) == "T")
-        time.sleep(0.5)
-        assert _state(pid) == "T" and worker.is_alive()
-    finally:
-        compiled.resume()
-    wait_until(lambda: _state(pid) not in ("T", ""), 10)
-    worker.join(600)
-    assert step.built_in == "child" and (step.cache_dir / "verify-2.pt2").exists()
-    assert built["fn"].rows == 2 and step.check_error < 1e-3
-    assert not builder.running()
-
-
-def test_a_failed_child_build_says_why_in_one_line(tiny_llama, tmp_path):
-    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
-    recipe = dict(eng.target.recipe, path=str(tmp_path / "gone"))
-    with pytest.raises(RuntimeError) as err:
-        builder.build(recipe, tmp_path / "step.pt2", "default", 1, private_cache=True)
-    assert "gone" in str(err.value) and "\n" not in str(err.value)
-    assert not (tmp_path / "step.pt2").exists() and not builder.running()
-
-
-def test_a_child_build_ends_with_the_chat(tiny_llama, tmp_path):
-    """A process that leaves without cleaning up (os._exit) takes its build with it: no
-    compiler keeps a core busy after the chat is gone."""
-    script = f"""
-import os, sys, threading, time
-sys.path.insert(0, {str(Path(engine.__file__).parent.parent)!r})
-import engine
-from engine import builder
-eng = engine.open({str(tiny_llama)!r}, dtype="float32", drafter="none")
-from pathlib import Path
-threading.Thread(target=builder.build, args=(eng.target.recipe, Path({str(tmp_path)!r}) / "step.pt2", "default", 1, True),
-                 daemon=True).start()
-while not builder.running():
-    time.sleep(0.05)
-print(builder.running()[0], flush=True)
-os._exit(0)
-"""
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    child = int(out.stdout.split()[-1])
-    wait_until(lambda: _state(child) in ("", "Z"), 15)
-
-
-def test_stale_package_dirs_are_swept(tmp_path):
-    from engine import package_dirs as pd
-    day, now = 86400, time.time()
-    me = pd.lineage("demo", torch.float32, "exact", torch.device("cpu"))
-    other = pd.lineage("demo", torch.bfloat16, "exact", torch.device("cpu"))
-
-    def folder(name, of, idle_days):
-        f = tmp_path / name
-        f.mkdir()
-        (f / "step.pt2").write_bytes(b"x")
-        if of is not None:
-            pd.mark_used(f, of)
-        for p in (f / "step.pt2", *([f / pd.META] if of is not None else []), f):
-            os.utime(p, (now - idle_days * day, now - idle_days * day))
-        return f
-
-    own = folder("own", me, 0)
-    superseded = folder("old-torch", me, pd.SUPERSEDED_DAYS + 1)
-    recent_twin = folder("other-install", me, pd.SUPERSEDED_DAYS - 2)    # two installs, used in turn
-    other_kind = folder("bf16", other, pd.SUPERSEDED_DAYS + 1)
-    forgotten = folder("forgotten", other, pd.UNUSED_DAYS + 1)
-    unmarked_old = folder("unmarked-old", None, pd.UNUSED_DAYS + 1)
-    unmarked = folder("unmarked", None, pd.SUPERSEDED_DAYS + 1)
-
-    removed = pd.sweep_stale(own, now=now)
-
-    assert sorted(removed) == sorted([superseded, forgotten, unmarked_old])
-    assert all(not f.exists() for f in removed)
-    assert all(f.exists() for f in (own, recent_twin, other_kind, unmarked))
 
 
 def test_a_used_package_dir_is_marked_with_what_it_is_for(compiled_engine):
