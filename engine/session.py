@@ -124,7 +124,7 @@ class Chat:
         generated: list[int] = []
         reason, error = "length", ""
         tracker = None
-        compile_worker.pause()               # a running compile would starve this answer of the GIL
+        compile_worker.pause()         # a running compile would starve this answer of the GIL
         try:
             prompt, prompt_text = self._prompt()
             eng.claim_cache(self)
