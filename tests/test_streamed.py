@@ -56,9 +56,19 @@ def _assert_same(a_list, b_list):
         assert torch.equal(a, b), f"pass {i}: max difference {(a - b).abs().max().item()}"
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def torch_threads(request):
+    """Run the test with torch on this many threads (the resident target's count), then
+    restore: exactness must not hang on the thread count one machine happens to use."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_tied"])
 @pytest.mark.parametrize("share", [0.0, 0.4])
-def test_streamed_logits_equal_resident_bit_for_bit(request, fixture, share):
+def test_streamed_logits_equal_resident_bit_for_bit(request, fixture, share, torch_threads):
     path = request.getfixturevalue(fixture)
     ref = _passes(load_resident(path, CPU, torch.float32))
     total = _model_bytes(path)
@@ -70,6 +80,60 @@ def test_streamed_logits_equal_resident_bit_for_bit(request, fixture, share):
     _assert_same(ref, _passes(st))
     assert st.ledger.peak <= st.weight_budget
     st.close()
+
+
+def test_split_threads_only_where_the_check_found_the_same_bits(tiny_llama, torch_threads):
+    """The one-token step runs on fewer threads than the resident target only if
+    thread_check found identical bits on this machine; it says which it chose and why."""
+    st = load_streamed(tiny_llama, CPU, torch.float32, weight_budget=minimum_budget(tiny_llama, CPU, torch.float32))
+    reason = st.describe()["compute_threads"]
+    if torch_threads == 1:
+        assert st.split is None and st._compute_threads(1) is None and "torch's setting" in reason
+        return
+    assert st.split is not None and st.split.reason == reason
+    st.forward([1, 2, 3])
+    assert st._compute_threads(5) is None                         # a verify pass: always every thread
+    assert st._compute_threads(1) == st.split.threads             # None where the bits differ here
+    if st.split.threads is None:
+        assert "gives other bits" in reason
+    else:
+        assert st.split.threads < torch_threads and "checked bit-identical" in reason
+
+
+def test_thread_check_refuses_an_op_whose_bits_follow_the_thread_count():
+    from engine.target import thread_check
+
+    def attend(q, keys, values):          # sums in an order that depends on the thread count
+        n = torch.get_num_threads()
+        return sum((values[:, :, i::n].sum(2, keepdim=True) for i in range(n)), torch.zeros_like(values[:, :, :1]))
+
+    def exact(q, keys, values):
+        return values.sum(2, keepdim=True)
+
+    before = torch.get_num_threads()
+    args = (4, 2, 16, torch.float32, CPU, 300, 1, 2)
+    bad = thread_check.check_split(attend, *args)
+    assert bad.threads is None and "attention over" in bad.reason and "gives other bits" in bad.reason
+    fixed = thread_check.check_split(exact, *args, fixed_ops=lambda: torch.tensor([float(torch.get_num_threads())]))
+    assert fixed.threads is None and "matrix products" in fixed.reason
+    good = thread_check.check_split(exact, *args, fixed_ops=lambda: torch.ones(3))
+    assert good.threads == 1 and good.upto == 300 and "checked bit-identical" in good.reason
+    assert torch.get_num_threads() == before
+    assert thread_check.lengths(10_000)[:64] == list(range(1, 65)) and 8192 in thread_check.lengths(10_000)
+    assert thread_check.lengths(10_000)[-1] == 10_000 and thread_check.lengths(1 << 20)[-1] == thread_check.MAX_CHECKED
+
+
+def test_every_weight_the_forwards_read_starts_on_64_bytes(tiny_llama, tiny_bf16):
+    """Matrix-vector kernels may round by alignment: the resident forward's weights and the
+    streamed slots' fields all start on 64-byte boundaries, so both run the same kernels."""
+    from engine.target import layer_index
+    from engine.target.llama_family import ALIGN_BYTES
+    for path, dtype in ((tiny_llama, torch.float32), (tiny_bf16, torch.bfloat16)):
+        res = load_resident(path, CPU, dtype)
+        assert all(t.data_ptr() % ALIGN_BYTES == 0 for t in res.impl.weight_tensors())
+        idx = layer_index.build(path, res.config.num_hidden_layers, False)
+        es = torch.finfo(dtype).bits // 8
+        assert all(start * es % ALIGN_BYTES == 0 for start, _ in idx.layout.fields.values())
 
 
 def test_host_tier_and_bf16_staging_equal_resident(tiny_bf16, monkeypatch):

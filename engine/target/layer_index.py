@@ -25,7 +25,9 @@ FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float1
 # each chunk as it blocks the full matrix, so chunked logits equal the resident ones
 # bit for bit (checked in tests/test_streamed.py).
 HEAD_ROW_QUANTUM = 1024
-_ALIGN = 16                     # field starts aligned to 16 elements (64 bytes in float32)
+# Field starts aligned to 32 elements: a multiple of 64 bytes in every compute dtype, as the
+# resident forward's weights are (llama_family.ALIGN_BYTES: kernels may round by alignment).
+_ALIGN = 32
 
 # suffix after "layers.N." -> (field of LayerWeights, position inside the fused field)
 _FIELDS = {

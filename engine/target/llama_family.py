@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import KVCache
+from . import norms
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 # Passes of up to this many tokens after position 0 attend row by row (see _attend_rowwise).
@@ -63,6 +64,24 @@ def can_run(model) -> str | None:
     return None
 
 
+# Matrix-vector kernels may round differently by where a weight starts in memory (measured
+# with torch 2.13 on an AVX-512 EPYC: a 1-row product with a weight 40 bytes past a 64-byte
+# boundary differs from the same product on a 64-byte-aligned copy by ~1e-7). Every weight
+# this forward reads starts on a multiple of ALIGN_BYTES, as the streamed target's slots
+# do (target/layer_index.py), so both targets run the very same kernels on the same bits.
+ALIGN_BYTES = 64
+
+
+def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t`, or a copy of it starting on an ALIGN_BYTES boundary (torch's CPU allocator
+    aligns fresh tensors to 64 bytes). A transposed view stays a transposed view."""
+    if t is None or t.data_ptr() % ALIGN_BYTES == 0:
+        return t
+    if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():
+        return t.t().clone().t()
+    return t.clone()
+
+
 def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes. A weight
     that is not a plain tensor (a packed int8/int4 one, target/quantized.py) brings its own kernel."""
@@ -75,9 +94,10 @@ class LlamaFamilyForward:
     def __init__(self, model, cache: KVCache):
         inner = model.model
         self._setup(model.config, cache, inner.rotary_emb, inner.layers[0].self_attn.scaling)
-        self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
-        self.head = model.lm_head.weight.t()
+        tied = model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
+        self.embed = aligned(inner.embed_tokens.weight)
+        self.norm = aligned(inner.norm.weight)
+        self.head = self.embed.t() if tied else aligned(model.lm_head.weight).t()
         self.layers = [self._take_layer(layer) for layer in inner.layers]
 
     def _setup(self, cfg, cache: KVCache, rotary, scaling: float) -> None:
@@ -94,25 +114,32 @@ class LlamaFamilyForward:
         self.rotary = rotary
         self._cos = self._sin = None
         self._scalar_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Which faster RMSNorm forms round as the reference on this machine, per width:
+        # decided before any pass (a compiled step's trace must not run the probe).
+        widths = {cfg.hidden_size, self.head_dim}
+        self._fused_rms = {n: norms.fused_matches(n, self.eps, cache.device) for n in widths}
+        self._sum_mean = {n: norms.sum_matches_mean(n, cache.device) for n in widths}
 
     @staticmethod
     def _take_layer(layer) -> LayerWeights:
         a, m = layer.self_attn, layer.mlp
         biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
         qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        # torch.cat makes fresh (aligned) tensors; the rest are the module's own, aligned if
+        # they are not already (see ALIGN_BYTES).
         w = LayerWeights(
-            ln1=layer.input_layernorm.weight,
+            ln1=aligned(layer.input_layernorm.weight),
             qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t(),
             qkv_bias=qkv_bias,
-            o=a.o_proj.weight.t(), o_bias=a.o_proj.bias,
-            ln2=layer.post_attention_layernorm.weight,
+            o=aligned(a.o_proj.weight).t(), o_bias=aligned(a.o_proj.bias),
+            ln2=aligned(layer.post_attention_layernorm.weight),
             gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).t(),
-            down=m.down_proj.weight.t(),
-            q_norm=getattr(getattr(a, "q_norm", None), "weight", None),
-            k_norm=getattr(getattr(a, "k_norm", None), "weight", None),
+            down=aligned(m.down_proj.weight).t(),
+            q_norm=aligned(getattr(getattr(a, "q_norm", None), "weight", None)),
+            k_norm=aligned(getattr(getattr(a, "k_norm", None), "weight", None)),
         )
-        # The fused copies replace the module weights: free the originals.
-        for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+        # The forward holds its own copies now: free the module's (fused or realigned).
+        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
             lin.weight = None
             lin.bias = None
         return w
@@ -141,18 +168,20 @@ class LlamaFamilyForward:
         return self._cos[pos:need], self._sin[pos:need]
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and w.dtype == torch.float32:
-            # In float32 torch's fused rms_norm rounds exactly as the reference's
-            # x * rsqrt(mean(x^2) + eps) * w does (checked bit for bit in the tests),
-            # in one kernel instead of six: on a CPU decode step that is ~8% of the time.
+        if x.dtype == torch.float32 and w.dtype == torch.float32 and self._fused_rms.get(x.shape[-1]):
+            # torch's fused rms_norm, where it rounds exactly as the reference does (probed
+            # at load, norms.py): one kernel instead of six, ~8% of a CPU decode step.
             return torch.rms_norm(x, (x.shape[-1],), w, self.eps)
-        # The reference's RMSNorm (float32 statistics, product with the weight in x's dtype). sum/n is bit-identical to mean()
-        # and skips mean's dtype bookkeeping, which costs more than the sum at this size;
-        # n and eps as 0-dim tensors skip wrapping a Python scalar on every call.
+        # The reference's RMSNorm (float32 statistics, product with the weight in x's dtype).
+        # sum/n, where the probe found it bit-identical to mean(), skips mean's dtype
+        # bookkeeping, which costs more than the sum at this size; n and eps as 0-dim tensors
+        # skip wrapping a Python scalar on every call.
         xf = x.float()
-        n, eps = self._scalars(x.shape[-1], xf.device)
-        var = xf.pow(2).sum(-1, keepdim=True).div_(n)
-        return w * (xf * var.add_(eps).rsqrt_()).to(x.dtype)
+        if self._sum_mean.get(x.shape[-1]):
+            n, eps = self._scalars(x.shape[-1], xf.device)
+            var = xf.pow(2).sum(-1, keepdim=True).div_(n)
+            return w * (xf * var.add_(eps).rsqrt_()).to(x.dtype)
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def _scalars(self, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         got = self._scalar_cache.get(width)
@@ -166,10 +195,17 @@ class LlamaFamilyForward:
         """Attention of a short pass (a verify pass) one query row at a time, each row
         exactly the call a one-token step makes. The masked multi-row kernel rounds
         differently, and a verified token must get the logits plain decoding gives it."""
-        rows = [F.scaled_dot_product_attention(q[:, :, r:r + 1], keys[:, :, :pos + r + 1], values[:, :, :pos + r + 1],
-                                               scale=self.scaling, enable_gqa=self.gqa)
+        rows = [self._attend(q[:, :, r:r + 1], keys[:, :, :pos + r + 1], values[:, :, :pos + r + 1])
                 for r in range(q.shape[2])]
         return torch.cat(rows, 2)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask=None,
+                causal: bool = False) -> torch.Tensor:
+        """SDPA over the cached keys and values: the one place attention is computed, so a
+        target that changes the thread count around a pass (target/streamed.py) can keep
+        this op on the count the resident target uses (its result depends on it)."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                              scale=self.scaling, enable_gqa=self.gqa)
 
     # -- the hooks a target that keeps its weights elsewhere overrides (target/streamed.py):
     # where the layers' weights come from, how token rows are embedded, the output head.
@@ -225,8 +261,7 @@ class LlamaFamilyForward:
         if rowwise:
             o = self._attend_rowwise(qk[None, :H], keys, values, pos)
         else:
-            o = F.scaled_dot_product_attention(qk[None, :H], keys, values, attn_mask=mask, is_causal=causal,
-                                               scale=self.scaling, enable_gqa=self.gqa)
+            o = self._attend(qk[None, :H], keys, values, mask, causal)
         h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias)
         gu = _linear(self._rms(h, w.ln2), w.gate_up)
         return h + _linear(F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from .. import planner
 from ..errors import BadRequest, EngineError, UnsupportedModel
-from . import layer_index, llama_family
+from . import layer_index, llama_family, thread_check
+from ..cache import KVCache
 from .resident import ResidentTarget
 from .prefetch import Counters, Filler, Files, Ledger, Prefetcher, Slot, byte_view
 
@@ -139,6 +140,8 @@ class StreamedTarget:
         self._passes, self._pass_seconds = 0, 0.0
         self._retried_oom = False
         self.split_threads = True     # _compute_threads; benchmarks/streamed.py compares without
+        self.split: thread_check.SplitCheck | None = None
+        self._check_split()
 
     # -- placement and loading
     def _place(self, weight_budget: int, host_budget: int) -> None:
@@ -230,19 +233,52 @@ class StreamedTarget:
         return host.to(device=self.device, dtype=self.dtype)
 
     # -- running
+    def _check_split(self) -> None:
+        """Decide, once, whether one-token steps may compute on fewer threads (see
+        _compute_threads): only on the CPU, only when units are streamed (else no reader
+        needs a core), and only if thread_check finds the bits unchanged on this machine."""
+        cores = torch.get_num_threads()
+        if self.split is not None or self.device.type != "cpu" or cores < 2 or not self.prefetcher.slots:
+            return
+        few = max(1, cores - self.filler.readers)
+        slot = self.prefetcher.slots[0]          # not in use yet: the reader starts at the first pass
+        with torch.inference_mode():
+            slot.flat.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
+        self.split = thread_check.check_split(
+            self.impl._attend, self.impl.heads, self.impl.kv_heads, self.impl.head_dim, self.dtype, self.device,
+            self.cache.max_positions, few, cores, fixed_ops=lambda: self._fixed_ops(slot))
+
+    def _fixed_ops(self, slot: Slot) -> torch.Tensor:
+        """Everything of a one-token step but attention over a long cache, on a slot's real
+        layout (random weights): a layer on a scratch one-position cache, then each piece
+        of the head. Their shapes do not depend on the position."""
+        impl = self.impl
+        h = torch.randn(1, self.index.embed.shape[1], generator=torch.Generator().manual_seed(1)).to(self.dtype)
+        cos, sin = impl._rope(0, 1, h)
+        real, impl.cache = impl.cache, KVCache(1, impl.kv_heads, impl.head_dim, self.dtype, self.device, 1)
+        try:
+            out = impl._layer(0, slot.views, h, 0, cos.view(1, 1, -1), sin.view(1, 1, -1), None, False, False)
+        finally:
+            impl.cache = real
+        x = impl._rms(out, self.norm)
+        heads = [torch.mm(x, slot.flat[:u.numel].view(u.rows, -1).t()) for u in self.index.head_units]
+        return torch.cat([out.float().view(-1)] + [t.float().view(-1) for t in heads])
+
     def _compute_threads(self, positions: int) -> int | None:
         """How many threads a pass over `positions` should compute with, or None for
         torch's setting. When the device is the CPU, compute and the prefetch readers share
         its cores, and torch's OpenMP workers spin between operators: a one-token step
         computed on every core starves the readers. Measured on the demo model with a
         quarter of it resident (2 cores, warm, benchmarks/streamed.py, same run): 164 ms a
-        step on both cores, 110 ms on one. Only one-token steps: their logits are bit for bit the same at
-        any thread count (checked in tests), while a wider pass may sum in another order
-        with fewer threads, and must equal the resident target's."""
-        if self.device.type != "cpu" or positions != 1 or not self.split_threads:
+        step on both cores, 110 ms on one. Only one-token steps, and only where
+        thread_check found them bit for bit the same on fewer threads on this machine (with
+        torch 2.13 attention over one query row is not: self.split says so), since the
+        logits must be the resident target's; a wider pass always runs on every thread."""
+        s = self.split
+        if (positions != 1 or not self.split_threads or s is None or s.threads is None
+                or self.cache.length + 1 > s.upto or torch.get_num_threads() != s.full):
             return None
-        cores = torch.get_num_threads()
-        return max(1, cores - self.filler.readers) if cores > 1 else None
+        return s.threads
 
     @torch.inference_mode()
     def forward(self, ids, all_logits: bool = False) -> torch.Tensor:
@@ -305,7 +341,8 @@ class StreamedTarget:
             self.ledger.free(self.resident.pop(name))
             self.resident_views.pop(name, None)
             names.append(name)
-        if names and not slots:
+        new_slots = bool(names and not slots)
+        if new_slots:
             slots = self._allocate_slots(staging)
         keep = {u.name for u in self.index.units if u.name in self.resident}
         demoted = set(names)
@@ -315,6 +352,8 @@ class StreamedTarget:
         resident_idx = frozenset(i for i, u in enumerate(self.index.units) if u.name in keep)
         self.placement = replace(self.placement, resident=resident_idx,
                                  host=frozenset(i for i in self.placement.host if self.index.units[i].name in tier))
+        if new_slots:
+            self._check_split()           # units are streamed now: readers will want a core
         return len(names)
 
     def close(self) -> None:
@@ -344,7 +383,9 @@ class StreamedTarget:
         return {"resident_units": len(p.resident), "host_units": len(p.host), "disk_units": len(p.disk),
                 "resident_layers": p.resident_layers(layers), "units": len(p.units),
                 "streamed_bytes_per_pass": p.streamed_bytes, "weight_budget": self.weight_budget,
-                "held_bytes": self.ledger.held, "prefetch_depth": self.depth}
+                "held_bytes": self.ledger.held, "prefetch_depth": self.depth,
+                "compute_threads": self.split.reason if self.split else "torch's setting (nothing streamed "
+                                                                         "or not the CPU)"}
 
 
 def placement(idx: layer_index.StreamIndex, filler: Filler, weight_budget: int, host_budget: int = 0,
