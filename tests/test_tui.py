@@ -17,7 +17,7 @@ from localchat.config import Settings  # noqa: E402
 from localchat.tui.app import ChatApp  # noqa: E402
 from localchat.tui.widgets import AssistantMessage, Notice, UserMessage  # noqa: E402
 
-from tui_helpers import DEADLINE, SIZE, loader, record_notifications, type_and_send, wait_for  # noqa: E402
+from tui_helpers import DEADLINE, SIZE, loader, record_notifications, throttle, type_and_send, wait_for  # noqa: E402
 
 
 @pytest.fixture
@@ -67,6 +67,7 @@ def test_escape_stops_a_long_answer_and_keeps_the_partial_text(tiny_engine):
     max tokens, with a 'stopped' note; the partial text stays on screen and in the engine."""
     tiny_engine.stop_ids = frozenset()       # no end-of-sequence: the answer runs to max tokens
     max_tokens = 4000         # the tiny model holds 4096 positions; the prompt is ~25
+    throttle(tiny_engine)
     settings = Settings(max_tokens=max_tokens)
 
     async def main():
@@ -153,6 +154,7 @@ def test_ctrl_l_mid_answer_stops_it_then_clears(tiny_engine):
     """Ctrl+L while an answer streams: the answer is stopped first, then the view and the
     engine's conversation are cleared (clearing under a running answer would race it)."""
     tiny_engine.stop_ids = frozenset()
+    throttle(tiny_engine)
 
     async def main():
         app = ChatApp(loader(tiny_engine), Settings(max_tokens=4000))
@@ -174,6 +176,7 @@ def test_quitting_mid_answer_ends_the_generation(tiny_engine):
     """Ctrl+Q while an answer streams: the app exits, and the generation thread stops at
     its next step (the engine records 'cancelled') instead of running to max tokens."""
     tiny_engine.stop_ids = frozenset()
+    throttle(tiny_engine)
     max_tokens = 4000
 
     async def main():

@@ -8,6 +8,15 @@ SIZE = (100, 30)
 DEADLINE = 120.0    # seconds; generous for a loaded 2-core machine, reached only on failure
 
 
+def throttle(eng, seconds: float = 0.001) -> None:
+    """Make each target pass of `eng` sleep first. The tiny model writes 4000 tokens in
+    about a second on a fast core, which can end an answer before the UI has drawn its
+    start; a test that stops an answer mid-way must not race the machine's speed. The
+    sleep also lets the UI thread run, as a real model's slower steps do."""
+    forward = eng.target.forward
+    eng.target.forward = lambda *a, **kw: (time.sleep(seconds), forward(*a, **kw))[1]
+
+
 def loader(eng):
     """A load_engine for ChatApp that hands over an engine opened by the test."""
     return lambda settings, progress: eng

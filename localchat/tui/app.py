@@ -452,9 +452,14 @@ def run_tui(load_engine: LoadEngine, settings: Settings, data_dir: str | None = 
             db = history.History.open(history.default_path(data_dir))
         except history.HistoryError as exc:
             problem = str(exc)               # chat in memory; the app shows why
+    from .hangup import HangupGuard
     app = ChatApp(load_engine, settings, ChatStore(db, problem), resume=resume)
-    app.run()
-    app.wait_for_generation(10)          # a stopped answer is saved by its own thread
-    if db is not None:
-        db.close()
+    guard = HangupGuard(app).install()   # a closed terminal or SIGHUP/SIGTERM ends the app
+    try:
+        app.run()
+        app.wait_for_generation(10)      # a stopped answer is saved by its own thread
+        if db is not None:
+            db.close()
+    finally:
+        guard.uninstall()
     return app.return_code or 0
