@@ -259,6 +259,7 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     max_pos = int(cfg.get("max_position_embeddings") or 8192)
     shape = _replace(planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name),
                      dtype_bytes=torch.finfo(dt).bits // 8)
+    _checkpoint.check_tensors(ckpt.path)
     hw = hardware.detect(cache_dir, vram=memory_budget, ram=host_memory, device=str(dev))
     every = every or profiles.builtin()
     names = [p.name for p in every]

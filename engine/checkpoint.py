@@ -95,6 +95,25 @@ def demo_gguf_path() -> Path:
 
 # ---------------------------------------------------------------- validation
 
+def config_numbers(cfg, where: str):
+    """(the text model's settings, number(key, default=None)): a reader of positive whole
+    numbers from a config.json that fails with the file and the key, never a TypeError
+    deep in a loader (a config edited by hand, or a broken download)."""
+    text = cfg.get("text_config", cfg) if isinstance(cfg, dict) else None
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{where}: not a JSON object of model settings; re-download the model")
+
+    def number(key: str, default: int | None = None) -> int:
+        value = text.get(key)
+        if value is None and default is not None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            what = "is missing" if value is None else f"= {json.dumps(value)} is not a positive whole number"
+            raise CheckpointError(f"{where}: {key} {what}; fix the file or re-download the model")
+        return value
+    return text, number
+
+
 def validate_dir(path: Path) -> None:
     """Check a model directory without reading weights: config, tokenizer, and every
     safetensors file complete (header parses, file as long as the header says)."""
@@ -104,9 +123,14 @@ def validate_dir(path: Path) -> None:
     if not config.is_file():
         raise CheckpointError(f"{path}: no config.json; this is not a Hugging Face model directory")
     try:
-        json.loads(config.read_text(encoding="utf-8"))
+        cfg = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{config}: unreadable config ({exc}); re-download the model") from None
+    _, number = config_numbers(cfg, str(config))
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        number(key)                                     # the numbers every loader relies on
+    for key in ("num_key_value_heads", "head_dim"):
+        number(key, 0)
     if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise CheckpointError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)")
     files = weight_files(path)
@@ -177,6 +201,40 @@ def tensor_index(path: Path) -> dict[str, TensorEntry]:
 
 
 # ---------------------------------------------------------------- GGUF import
+
+def check_tensors(path: Path) -> None:
+    """Every tensor the architecture expects is in the files, with the shape its config
+    gives it. transformers fills a missing tensor with random numbers and says so in a
+    log line (a model that answers gibberish); a wrong shape fails deep in a loader.
+    Both are a CheckpointError here naming the tensor and the file. The expectation comes
+    from the model built on the meta device (no memory), so it is the architecture's own.
+    An architecture transformers cannot build is left to the loaders to refuse."""
+    import warnings
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            skeleton = AutoModelForCausalLM.from_config(cfg)
+    except Exception:   # noqa: BLE001 — unknown or unbuildable architecture: the loader says why
+        return
+    have = tensor_index(path)
+    if not set(have) & set(skeleton.state_dict()):
+        return          # another naming scheme (a multimodal wrapper): transformers maps it itself
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    for name, t in skeleton.state_dict().items():
+        e = have.get(name)
+        if e is None:
+            if tied and name == "lm_head.weight":
+                continue
+            raise CheckpointError(f"{path}: tensor {name} is missing from the weight files "
+                                  "(config.json expects it); re-download the model")
+        if tuple(e.shape) != tuple(t.shape):
+            raise CheckpointError(f"{e.file}: tensor {name} has shape {list(e.shape)} but config.json "
+                                  f"makes it {list(t.shape)}; re-download the model or fix config.json")
+
 
 def import_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Dequantize a GGUF file once into a safetensors directory in the cache.

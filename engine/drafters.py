@@ -135,10 +135,10 @@ def check_compatible(target_tok, draft_tok, target_name: str, draft_name: str) -
     mismatched = [s for s, i in dv.items() if i in by_id_t and by_id_t[i] != s]
     if mismatched or len(set(tv) & set(dv)) < 0.9 * min(len(tv), len(dv)):
         example = f" (e.g. {mismatched[0]!r})" if mismatched else ""
-        raise BadRequest(f"drafter {draft_name} does not share the tokenizer of {target_name}{example}; "
+        raise BadRequest(f"--draft-model {draft_name}: does not share the tokenizer of {target_name}{example}; "
                          "pick a drafter from the same model family")
     for attr in ("eos_token_id", "bos_token_id"):
         a, b = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
         if a is not None and b is not None and a != b:
-            raise BadRequest(f"drafter {draft_name} has {attr}={b} but {target_name} has {a}; "
+            raise BadRequest(f"--draft-model {draft_name}: has {attr}={b} but {target_name} has {a}; "
                              "pick a drafter from the same model family")

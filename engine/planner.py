@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .errors import BadRequest
+from .errors import BadRequest, CheckpointError
 from .hardware import Hardware
 from .profiles import Profile
 
@@ -70,14 +70,21 @@ class ModelShape:
         raise BadRequest(f"weights {weights!r}: use exact, int8 or int4")
 
     @classmethod
-    def from_config(cls, cfg: dict, name: str = "", dtype_bytes: int | None = None) -> "ModelShape":
-        """Parameter counts from the published config numbers alone (Llama/Qwen/Mistral family)."""
-        text = cfg.get("text_config", cfg)
-        hidden, layers = text["hidden_size"], text["num_hidden_layers"]
-        heads = text["num_attention_heads"]
-        kv = text.get("num_key_value_heads") or heads
-        hd = text.get("head_dim") or hidden // heads
-        inter, vocab = text["intermediate_size"], text["vocab_size"]
+    def from_config(cls, cfg: dict, name: str = "", dtype_bytes: int | None = None,
+                    where: str = "config.json") -> "ModelShape":
+        """Parameter counts from the published config numbers alone (Llama/Qwen/Mistral family).
+        A number that is missing, not a whole number or not positive is a CheckpointError
+        naming `where` and the key (a config edited by hand, or a broken download)."""
+        from .checkpoint import config_numbers
+        text, number = config_numbers(cfg, where)
+        hidden, layers = number("hidden_size"), number("num_hidden_layers")
+        heads = number("num_attention_heads")
+        kv = number("num_key_value_heads", heads)
+        hd = number("head_dim", hidden // heads)
+        inter, vocab = number("intermediate_size"), number("vocab_size")
+        if heads % kv:
+            raise CheckpointError(f"{where}: num_attention_heads = {heads} is not a multiple of "
+                                  f"num_key_value_heads = {kv}; fix the file or re-download the model")
         tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
         per_layer = hidden * heads * hd + 2 * hidden * kv * hd + heads * hd * hidden + 3 * hidden * inter
         bias = (heads + 2 * kv) * hd if text.get("attention_bias") or text.get("model_type") == "qwen2" else 0
@@ -93,8 +100,12 @@ class ModelShape:
     def from_checkpoint(cls, path: Path, name: str = "") -> "ModelShape":
         """Exact counts from the safetensors headers of a local checkpoint."""
         from .checkpoint import tensor_index
-        cfg = json.loads((Path(path) / "config.json").read_text())
-        shape = cls.from_config(cfg, name or Path(path).name)
+        where = Path(path) / "config.json"
+        try:
+            cfg = json.loads(where.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{where}: unreadable config ({exc}); re-download the model") from None
+        shape = cls.from_config(cfg, name or Path(path).name, where=str(where))
         linear = other = 0
         dt = shape.dtype_bytes
         for e in tensor_index(Path(path)).values():

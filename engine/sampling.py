@@ -3,6 +3,7 @@ top-p. `probabilities` gives the distribution actually sampled from, which specu
 verification needs for its acceptance rule."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,16 +19,27 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise BadRequest(f"--temperature {self.temperature}: must be 0 (greedy) or more")
-        if self.top_k < 0:
-            raise BadRequest(f"--top-k {self.top_k}: must be 0 (off) or a positive count")
-        if not 0 < self.top_p <= 1:
-            raise BadRequest(f"--top-p {self.top_p}: must be in (0, 1]")
+        problem = check(self.temperature, self.top_p, self.top_k, self.seed)
+        if problem:
+            raise BadRequest(problem)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check(temperature: float, top_p: float, top_k: int, seed: int | None = None) -> str | None:
+    """What is wrong with these sampling settings, as one line naming the flag, or None.
+    NaN fails every comparison, so the ranges are written to reject it (not `x < 0`)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        return f"--temperature {temperature}: must be 0 (greedy) or a finite positive number"
+    if not 0 < top_p <= 1:
+        return f"--top-p {top_p}: must be in (0, 1]"
+    if top_k < 0:
+        return f"--top-k {top_k}: must be 0 (off) or a positive count"
+    if seed is not None and not 0 <= seed < 2 ** 63:
+        return f"--seed {seed}: must be a whole number from 0 to 2^63 - 1"
+    return None
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -112,13 +112,23 @@ class Chat:
         if max_new_tokens <= 0:
             raise BadRequest(f"--max-tokens {max_new_tokens}: must be at least 1")
         params = SamplingParams(temperature, top_k, top_p, seed)
-        self._cancel.clear()
         self.messages.append({"role": "user", "content": text})
         answer = {"role": "assistant", "content": ""}
         self.messages.append(answer)
-        return self._answer(answer, params, max_new_tokens)
+        try:
+            rendered = self._prompt()
+            room = self.engine.target.cache.max_positions
+            if len(rendered[0]) >= room:    # the answer needs at least one position more
+                raise BadRequest(f"the conversation is {len(rendered[0])} tokens and the model's context holds "
+                                 f"{room}; shorten the prompt or start a new chat")
+        except BadRequest:
+            del self.messages[-2:]           # refused: the conversation is as it was
+            raise
+        self._cancel.clear()
+        return self._answer(answer, params, max_new_tokens, rendered)
 
-    def _answer(self, answer: dict, params: SamplingParams, max_new_tokens: int) -> Iterator:
+    def _answer(self, answer: dict, params: SamplingParams, max_new_tokens: int,
+                rendered: tuple[list[int], str]) -> Iterator:
         eng, target = self.engine, self.engine.target
         detok = IncrementalDecoder(eng.tokenizer)
         generated: list[int] = []
@@ -126,7 +136,7 @@ class Chat:
         tracker = None
         compile_worker.pause()         # a running compile would starve this answer of the GIL
         try:
-            prompt, prompt_text = self._prompt()
+            prompt, prompt_text = rendered
             eng.claim_cache(self)
             keep = common_prefix(self.cached_ids, prompt)
             if keep == len(prompt):

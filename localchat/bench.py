@@ -13,12 +13,13 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from .argparsing import Parser
 from .cli import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, error, load_settings, open_engine,
                   quiet_libraries)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat bench", description=__doc__)
+    p = Parser(prog="localchat bench", description=__doc__)
     add_model_flags(p)
     p.add_argument("--workloads", metavar="FILE",
                    help="JSONL, one {\"id\", \"kind\", \"prompt\"} per line (default: a built-in set of "

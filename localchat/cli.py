@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import fields, replace
 
+from .argparsing import Parser
 from . import __version__
 from . import config as config_mod
 
@@ -56,7 +57,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="localchat",
         description="Chat with a language model on this machine. With no prompt and a terminal, "
                     "opens the chat UI; with a prompt (arguments and/or stdin) prints the answer. "
@@ -90,14 +91,20 @@ def settings_from(args: argparse.Namespace, base: config_mod.Settings) -> config
 
 
 def check_flags(s: config_mod.Settings) -> str | None:
+    from engine.sampling import check as check_sampling
     if s.max_tokens <= 0:
         return f"--max-tokens {s.max_tokens}: must be at least 1"
-    if s.temperature < 0:
-        return f"--temperature {s.temperature}: must be 0 (greedy) or more"
-    if not 0 < s.top_p <= 1:
-        return f"--top-p {s.top_p}: must be in (0, 1]"
-    if s.top_k < 0:
-        return f"--top-k {s.top_k}: must be 0 (off) or more"
+    problem = check_sampling(s.temperature, s.top_p, s.top_k, s.seed)
+    if problem:
+        return problem
+    from engine.errors import BadRequest
+    from engine.hardware import parse_size
+    for flag, size in (("--vram", s.vram), ("--ram", s.ram)):
+        try:
+            if size is not None and parse_size(size, flag) <= 0:
+                return f"{flag} {size}: must be more than 0"
+        except BadRequest as exc:
+            return str(exc)
     if s.draft_tokens is not None and not 0 <= s.draft_tokens <= 64:
         return f"--draft-tokens {s.draft_tokens}: must be between 0 and 64"
     if s.context is not None and s.context < 16:

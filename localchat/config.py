@@ -5,6 +5,7 @@ A malformed config file is reported with its path and line; the program still st
 (with defaults and flags) so a user can fix it from inside."""
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields, replace
@@ -63,13 +64,42 @@ def _coerce(name: str, value, source: str):
     try:
         if value is None or value == "":
             return None if "None" in kind else _default(name)
+        if isinstance(value, bool) or (not kind.startswith("str") and isinstance(value, (list, dict))):
+            raise TypeError(value)
         if kind.startswith("int"):
-            return int(value)
+            if isinstance(value, float):         # 1.5 tokens is a typo, not 1
+                raise TypeError(value)
+            return _check_value(name, int(value), source)
         if kind.startswith("float"):
-            return float(value)
-        return str(value)
+            return _check_value(name, float(value), source)
+        if isinstance(value, (list, dict)):
+            raise TypeError(value)
+        return _check_value(name, str(value), source)
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: {name} = {value!r} is not a valid {kind.split(' ')[0]}") from None
+
+
+# What a setting from a file or the environment may hold (flags are checked by the CLI
+# with the same ranges): a value outside is a warning and the default, like a bad type.
+_CHOICES = {"device": None, "drafter": ("auto", "ngram", "model", "none"),
+            "drafter_weights": ("auto", "exact", "int8", "int4"), "compile": ("auto", "on", "off"),
+            "dtype": ("auto", "float32", "bfloat16", "float16")}
+_RANGES = {"max_tokens": (lambda v: v >= 1, "at least 1"),
+           "temperature": (lambda v: math.isfinite(v) and v >= 0, "0 (greedy) or a finite positive number"),
+           "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "top_k": (lambda v: v >= 0, "0 (off) or more"),
+           "seed": (lambda v: 0 <= v < 2 ** 63, "from 0 to 2^63 - 1"),
+           "context": (lambda v: v >= 16, "at least 16 tokens"),
+           "draft_tokens": (lambda v: 0 <= v <= 64, "between 0 and 64")}
+
+
+def _check_value(name: str, value, source: str):
+    rule = _RANGES.get(name)
+    if value is not None and rule and not rule[0](value):
+        raise ConfigError(f"{source}: {name} = {value!r} must be {rule[1]}")
+    choices = _CHOICES.get(name)
+    if value is not None and choices and value not in choices:
+        raise ConfigError(f"{source}: {name} = {value!r} is not one of {', '.join(choices)}")
+    return value
 
 
 def _default(name: str):
@@ -94,14 +124,16 @@ def load(path: Path | None = None, environ: dict | None = None) -> tuple[Setting
                     warnings.append(f"{path}: unknown setting {key!r} ignored "
                                     f"(known: {', '.join(sorted(_TYPES))})")
                     continue
-                values[key] = _coerce(key, value, str(path))
+                try:
+                    values[key] = _coerce(key, value, str(path))
+                except ConfigError as exc:
+                    # One bad value costs that setting only, not the rest of the file.
+                    warnings.append(f"{exc}; using the default ({_default(key)!r}) until it is fixed")
             settings = replace(settings, **values)
         except tomllib.TOMLDecodeError as exc:
             warnings.append(f"{path}: not valid TOML ({exc}); using defaults")
         except (OSError, UnicodeDecodeError) as exc:
             warnings.append(f"{path}: unreadable ({exc}); using defaults")
-        except ConfigError as exc:
-            warnings.append(f"{exc}; using defaults")
     values = {}
     for name in _TYPES:
         env = environ.get(f"LOCALCHAT_{name.upper()}")

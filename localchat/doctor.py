@@ -9,12 +9,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from .argparsing import Parser
 from .cli import EXIT_OK, EXIT_USAGE, error, load_settings, quiet_libraries
 from .format import human_bytes
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat doctor", description=__doc__)
+    p = Parser(prog="localchat doctor", description=__doc__)
     p.add_argument("--model", "-m", metavar="PATH_OR_REPO", help="the model to plan for (default: the configured one)")
     p.add_argument("--draft-model", metavar="PATH_OR_REPO",
                    help="a drafter model to count in the plan ('self': a quantized copy of the model)")

@@ -12,14 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+from .argparsing import Parser
 from . import history as hist
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat history",
-                                description="List, show and export the conversations localchat saved.")
+    p = Parser(prog="localchat history",
+               description="List, show and export the conversations localchat saved.")
     p.add_argument("--data-dir", metavar="DIR", help="where history.db lives (default: the user data dir)")
     sub = p.add_subparsers(dest="command")
     ls = sub.add_parser("list", help="conversations, most recent first (the default)")
@@ -40,8 +41,8 @@ def history_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         db = hist.History.open(hist.default_path(args.data_dir))
-    except hist.HistoryError as exc:
-        return fail(str(exc), EXIT_FAIL)
+    except hist.HistoryError as exc:           # the file's state is for the user to fix: bad input
+        return fail(str(exc), EXIT_USAGE)
     try:
         if args.command in (None, "list"):
             return list_conversations(db, getattr(args, "search", ""), getattr(args, "limit", 50))

@@ -20,6 +20,7 @@ from typing import Callable
 
 from engine import RUNNABLE   # the profiles this engine has targets for: only those are offered
 
+from .argparsing import Parser
 from . import catalog
 from . import config as config_mod
 from .cli import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error
@@ -37,8 +38,8 @@ class Cancelled(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat setup", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="localchat setup", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", "-m", metavar="REPO_OR_PATH",
                    help="the model to set up: a hub repo id, a local directory or .gguf, or 'demo'")
     p.add_argument("--drafter", metavar="REPO_OR_KIND",
@@ -169,7 +170,7 @@ class Answers:
 def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None = None,
                context: int = 8192, path: Path | None = None, fetch_model: Callable[[str], Path] = fetch) -> int:
     """The whole wizard; returns the exit code. `ask` raises EOFError/KeyboardInterrupt to cancel."""
-    from engine.errors import EngineError
+    from engine.errors import EngineError, ModelNotFound
     from .doctor import _hw_text
     answers = answers or Answers()
     try:
@@ -227,10 +228,11 @@ def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None
             try:
                 fetch_model(model)
             except EngineError as exc:
-                say(f"{exc}; the bundled demo model needs no download.")
                 if answers.yes:
-                    error("nothing written; run `localchat setup --model demo --yes` to use the demo model")
-                    return EXIT_FAIL
+                    error(f"{exc}; nothing written (`localchat setup --model demo --yes` sets up the bundled "
+                          "demo model)")
+                    return EXIT_USAGE if isinstance(exc, ModelNotFound) else EXIT_FAIL
+                say(f"{exc}; the bundled demo model needs no download.")
                 if not _yes(ask("Use the demo model instead? [Y/n] ")):
                     say("Nothing written.")
                     return EXIT_FAIL

@@ -192,6 +192,8 @@ def test_a_one_shot_answer_decodes_eagerly_by_default():
 def test_compile_flag_and_setting_are_checked(tiny_llama):
     proc = run_cli("--compile", "sometimes", "hi")
     assert proc.returncode == 2 and b"--compile" in proc.stderr
+    # A setting from the environment (or the config file) that is out of range is one
+    # warning naming where it came from; the run goes on with that setting's default.
     proc = run_cli("--model", str(tiny_llama), "-n", "2", "hi", extra_env={"LOCALCHAT_COMPILE": "maybe"})
-    assert proc.returncode == 2
-    one_line_error(proc, "compile", "auto, on or off")
+    assert proc.returncode == 0 and proc.stdout.strip()
+    one_line_error(proc, "LOCALCHAT_COMPILE", "auto, on, off")
