@@ -206,7 +206,8 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
         if row is None:
             raise BadRequest(f"--profile {force}: no such profile (have: {', '.join(r.profile for r in rows)})")
         if not row.fits:
-            raise BadRequest(f"--profile {force} needs {gb(row.total)} but the budget is {gb(row.budget)}: "
+            need, budget = gb_apart(row.total, row.budget)
+            raise BadRequest(f"--profile {force} needs {need} but the budget is {budget}: "
                              f"short by {gb(row.short_by)}; lower --context, raise --vram, or pick another profile")
         return Plan(shape.name, hw.device, hw.budget_bytes, rows, force, f"{force} was asked for with --profile.", bw)
     fitting = [r for r, p in zip(rows, profiles) if r.fits and (runnable is None or p.name in runnable)]
@@ -363,10 +364,26 @@ def place_streamed(units: list[int], slot_bytes: int, fixed_bytes: int, embed_by
                            embed_bytes, minimum, room >= 0)
 
 
-def gb(n: float) -> str:
-    if abs(n) >= 1e8:
-        return f"{n / 1e9:.1f} GB"
-    return f"{n / 1e6:.0f} MB" if abs(n) >= 1e6 else f"{n / 1e3:.0f} KB"
+def gb(n: float, digits: int = 3) -> str:
+    """A size with `digits` significant figures in the largest unit it reaches: 232 MB,
+    1.54 GB, 14.2 GB, 640 KB."""
+    a = abs(n)
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
+        if a >= scale or unit == "KB":
+            v = n / scale
+            places = max(0, digits - len(str(int(abs(v)))))
+            return f"{v:.{places}f} {unit}"
+    return f"{n} B"
+
+
+def gb_apart(a: float, b: float) -> tuple[str, str]:
+    """Two sizes printed with enough figures to differ (a need and a budget: "needs 0.2 GB
+    but the budget is 0.2 GB" says nothing)."""
+    for digits in range(3, 10):
+        x, y = gb(a, digits), gb(b, digits)
+        if x != y or a == b:
+            return x, y
+    return gb(a, 10), gb(b, 10)
 
 
 def format_plan(plan: Plan) -> str:

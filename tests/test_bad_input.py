@@ -47,7 +47,7 @@ def run(case: Case, home: Path) -> subprocess.CompletedProcess:
         import resource
         if case.limit_fsize is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (case.limit_fsize, case.limit_fsize))
-    cmd = [sys.executable, "-m", "localchat", *case.args]
+    cmd = [sys.executable, "-m", "localchat", *(a.replace("{home}", str(home)) for a in case.args)]
     if case.no_dac and os.geteuid() == 0:
         # root reads and writes any file; without these two capabilities the permission
         # bits apply to it as to any user (util-linux setpriv)
@@ -77,13 +77,13 @@ def _rewrite_weights(path: Path, edit) -> None:
     save_file(tensors, f, metadata={"format": "pt"})
 
 
-def model_cases(tiny: Path, gguf: Path, root: Path) -> list[Case]:
+def model_cases(tiny: Path, gguf: Path) -> list[Case]:
+    """Each case makes its bad model in the case's own folder ({home} in the arguments)."""
     cases = []
 
-    def bad_model(name, make, says, code=2, extra=()):
-        d = root / name
-        make(_copy(tiny, d))
-        cases.append(Case(name, ["--model", str(d), "-n", "4", *extra, "hi"], code, says))
+    def bad_model(name, make, says, code=2, no_dac=False):
+        cases.append(Case(name, ["--model", f"{{home}}/{name}", "-n", "4", "hi"], code, says, no_dac=no_dac,
+                          prepare=lambda home: make(_copy(tiny, home / name))))
 
     def truncate(d):
         f = d / "model.safetensors"
@@ -125,19 +125,15 @@ def model_cases(tiny: Path, gguf: Path, root: Path) -> list[Case]:
     bad_model("missing-tokenizer", no_tokenizer, ("tokenizer",))
     bad_model("no-config", lambda d: (d / "config.json").unlink(), ("config.json",))
     bad_model("no-weights", lambda d: (d / "model.safetensors").unlink(), ("safetensors",))
+    bad_model("weights-without-read-permission", lambda d: (d / "model.safetensors").chmod(0o000),
+              ("model.safetensors", "permission"), no_dac=True)
 
-    bad = root / "short.gguf"
-    bad.write_bytes(gguf.read_bytes()[: 1 << 20])
-    cases.append(Case("truncated-gguf", ["--model", str(bad), "hi"], 2, ("short.gguf",)))
-    wrong = root / "wrong.gguf"
-    wrong.write_bytes(b"NOPE" + gguf.read_bytes()[4: 1 << 16])
-    cases.append(Case("gguf-wrong-magic", ["--model", str(wrong), "hi"], 2, ("wrong.gguf",)))
-    cases.append(Case("missing-model-path", ["--model", str(root / "nowhere"), "hi"], 2, ("nowhere",)))
-
-    unreadable = _copy(tiny, root / "unreadable")
-    (unreadable / "model.safetensors").chmod(0o000)
-    cases.append(Case("weights-without-read-permission", ["--model", str(unreadable), "hi"], 2,
-                      ("model.safetensors", "permission"), no_dac=True))
+    def gguf_case(name, data, says):
+        cases.append(Case(name, ["--model", f"{{home}}/{name}.gguf", "hi"], 2, says,
+                          prepare=lambda home: (home / f"{name}.gguf").write_bytes(data())))
+    gguf_case("truncated-gguf", lambda: gguf.read_bytes()[: 1 << 20], ("truncated-gguf.gguf",))
+    gguf_case("gguf-wrong-magic", lambda: b"NOPE" + gguf.read_bytes()[4: 1 << 16], ("gguf-wrong-magic.gguf",))
+    cases.append(Case("missing-model-path", ["--model", "{home}/nowhere", "hi"], 2, ("nowhere",)))
     return cases
 
 
@@ -260,6 +256,13 @@ def _hold_write_lock(db: Path) -> subprocess.Popen:
     return proc
 
 
+def all_cases(tiny: Path, other: Path, gguf: Path, bad_config: Path) -> list[Case]:
+    cases = model_cases(tiny, gguf) + input_cases(tiny, other) + state_cases(tiny)
+    for c in cases:
+        c.args = [a.replace("{bad}", str(bad_config)) for a in c.args]
+    return cases
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, tiny_llama):
     import importlib.util
@@ -271,28 +274,20 @@ def corpus(tmp_path_factory, tiny_llama):
     gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     bad_cfg = _copy(tiny_llama, root / "doctor-bad")
     _edit_config(bad_cfg, hidden_size="abc")
-    cases = model_cases(tiny_llama, gguf, root) + input_cases(tiny_llama, other) + state_cases(tiny_llama)
-    for c in cases:
-        c.args = [a.replace("{bad}", str(bad_cfg)) for a in c.args]
-    return root, {c.name: c for c in cases}
+    return {c.name: c for c in all_cases(tiny_llama, other, gguf, bad_cfg)}
 
 
-def _names():
-    # The case list is built from real files in the fixture; the names are known up front.
-    dummy = Path("/nonexistent")
-    names = []
-    for maker in (lambda: input_cases(dummy, dummy), lambda: state_cases(dummy)):
-        names += [c.name for c in maker()]
-    return ["truncated-safetensors", "corrupt-header", "header-length-past-the-end", "missing-tensor",
-            "wrong-shaped-tensor", "config-not-json", "config-hidden-size-abc", "config-negative-layers",
-            "config-zero-heads", "config-not-an-object", "missing-tokenizer", "no-config", "no-weights",
-            "truncated-gguf", "gguf-wrong-magic", "missing-model-path", "weights-without-read-permission"] + names
+# The names are known without the files: the parametrization lists every case.
+NAMES = [c.name for c in all_cases(*[Path("/unused")] * 4)]
 
 
-@pytest.mark.parametrize("name", _names())
+def test_the_corpus_names_are_unique():
+    assert len(NAMES) == len(set(NAMES)) >= 50
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_bad_input(corpus, name, tmp_path):
-    root, cases = corpus
-    case = cases[name]
+    case = corpus[name]
     home = tmp_path / "home"
     home.mkdir()
     if case.no_dac and os.geteuid() == 0 and shutil.which("setpriv") is None:
@@ -321,3 +316,34 @@ def test_bad_input(corpus, name, tmp_path):
         case.check(home, proc)
     elif before is not None:
         _unchanged(before)(home, proc)
+
+
+def test_weights_truncated_mid_answer_end_it_with_one_line_and_keep_it(tiny_llama, tmp_path):
+    """The streamed profile reads the weight file on every pass: truncated while an answer
+    streams, the answer ends (exit 1: a failure while answering) with one line naming the
+    file, and the prompt and the partial answer are in the history."""
+    import signal
+    model = _copy(tiny_llama, tmp_path / "model")
+    env = dict(os.environ, LOCALCHAT_DATA_DIR=str(tmp_path / "data"), LOCALCHAT_CONFIG_DIR=str(tmp_path / "config"),
+               HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "localchat", "--model", str(model), "--profile", "streamed-exact",
+                             "--vram", "640KB", "--context", "256", "-n", "200", "Tell me a story"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.read(1)                      # the answer has started
+        proc.send_signal(signal.SIGSTOP)                # (the tiny model would finish before we cut)
+        weights = model / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size // 2)
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err.decode()
+    assert proc.returncode == 1 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "model.safetensors" in lines[0] and "truncated" in lines[0], lines
+    con = sqlite3.connect(tmp_path / "data" / "history.db")
+    rows = con.execute("select role, content, finish_reason from messages order by id").fetchall()
+    con.close()
+    assert rows[0][:2] == ("user", "Tell me a story") and rows[1][0] == "assistant" and rows[1][2] == "error"
