@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as _checkpoint
-from . import hardware, planner, profiles
+from . import bandwidth, hardware, planner, profiles
 from .errors import (BadRequest, CheckpointError, ContextFull, EngineError, ModelNotFound,
                      UnsupportedModel)
 from .events import Done, Stats, TextDelta
@@ -269,8 +269,10 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     can = runnable(every)
     if forced and forced not in can:
         raise BadRequest(f"--profile {forced}: this version runs {', '.join(can)}; use one of those or auto")
+    # tok/s bounds (and a streamed pass's compute time) from this machine's measured read rate
+    bw = bandwidth.rates(bandwidth.measured(cache_dir or _checkpoint.default_cache_dir(), dev))
     plan = planner.make_plan(shape, hw, every, context=min(context or 4096, max_pos), force=forced,
-                             runnable=can, drafter=drafter[0] if drafter else None,
+                             runnable=can, bandwidth=bw, drafter=drafter[0] if drafter else None,
                              drafter_weights=drafter[1] if drafter else "exact",
                              quant_act_bytes=torch.finfo(quant_act_dtype(dev, dt if dtype_given else None)).bits // 8)
     if plan.chosen is None:

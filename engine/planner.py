@@ -368,6 +368,8 @@ def gb(n: float, digits: int = 3) -> str:
     """A size with `digits` significant figures in the largest unit it reaches: 232 MB,
     1.54 GB, 14.2 GB, 640 KB."""
     a = abs(n)
+    if a == 0:
+        return "0"
     for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
         if a >= scale or unit == "KB":
             v = n / scale

@@ -33,6 +33,7 @@ class Settings:
     drafter_weights: str = "auto"     # exact | int8 | int4 | auto (int4 for draft_model = "self")
     compile: str = "auto"             # auto (chat UI) | on | off: the compiled decode step
     theme: str = "textual-dark"
+    usable_tps: float = 10.0          # setup recommends models predicted to decode at least this fast
 
 
 # The environment names each setting takes, e.g. LOCALCHAT_MODEL, LOCALCHAT_MAX_TOKENS.
@@ -89,7 +90,8 @@ _RANGES = {"max_tokens": (lambda v: v >= 1, "at least 1"),
            "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "top_k": (lambda v: v >= 0, "0 (off) or more"),
            "seed": (lambda v: 0 <= v < 2 ** 63, "from 0 to 2^63 - 1"),
            "context": (lambda v: v >= 16, "at least 16 tokens"),
-           "draft_tokens": (lambda v: 0 <= v <= 64, "between 0 and 64")}
+           "draft_tokens": (lambda v: 0 <= v <= 64, "between 0 and 64"),
+           "usable_tps": (lambda v: math.isfinite(v) and v > 0, "a positive speed in tokens/s")}
 
 
 def _check_value(name: str, value, source: str):

@@ -80,7 +80,7 @@ def doctor_main(argv: list[str]) -> int:
     import torch
 
     import engine
-    from engine import checkpoint, hardware, planner, profiles
+    from engine import bandwidth, checkpoint, hardware, planner, profiles
 
     args = build_parser().parse_args(argv)
     settings = load_settings(argparse.Namespace(model=args.model, draft_model=args.draft_model))
@@ -92,42 +92,55 @@ def doctor_main(argv: list[str]) -> int:
         hw = hardware.detect(checkpoint.default_cache_dir(), vram=args.vram, ram=args.ram,
                              device=args.device or (settings.device if settings.device != "auto" else None))
         profs = profiles.load_all(config_dir() / "profiles")
-        ckpt = checkpoint.resolve(settings.model)
-        shape = planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name)
+        ckpt, shape, planned_from = _model_shape(settings.model)
         draft, dweights = None, args.drafter_weights or settings.drafter_weights
         if settings.draft_model:
-            d = ckpt if settings.draft_model == "self" else checkpoint.resolve(settings.draft_model)
-            draft = planner.ModelShape.from_checkpoint(d.path, d.name)
+            if settings.draft_model == "self":
+                draft = shape
+            else:
+                draft = _model_shape(settings.draft_model)[1]
             if dweights == "auto":
                 dweights = "int4" if settings.draft_model == "self" else "exact"
-        bw = measure_bandwidth(checkpoint.default_cache_dir()) if args.measure else {}
+        read = bandwidth.measured(checkpoint.default_cache_dir(), hardware.pick_device(hw.device),
+                                  refresh=args.measure)
+        bw = bandwidth.rates(read)
+        if args.measure:     # disk and host-to-device too (the streamed tiers); RAM is the read probe's
+            bw.update({k: v for k, v in measure_bandwidth(checkpoint.default_cache_dir()).items() if k != "cpu"})
         plan = planner.make_plan(shape, hw, profs, context=args.context, drafter=draft, force=args.profile,
                                  bandwidth=bw, runnable=engine.runnable(profs),
                                  drafter_weights=dweights if draft else "exact",
                                  quant_act_bytes=torch.finfo(engine.quant_act_dtype(
                                      hardware.pick_device(hw.device))).bits // 8)
         from engine import fidelity
+        if args.fidelity and ckpt is None:
+            error(f"--fidelity loads the model, and {settings.model} is not downloaded; "
+                  f"run `localchat setup --model {settings.model}` first")
+            return EXIT_USAGE
         if args.fidelity:
             fid = fidelity.measure_formats(ckpt.path, hardware.pick_device(hw.device))
         else:
-            fid = fidelity.cached_formats(ckpt.path)
+            fid = fidelity.cached_formats(ckpt.path) if ckpt else {}
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
     from engine import package_dirs
     steps = package_dirs.cached_steps(checkpoint.default_cache_dir())
     if args.json:
-        out = {"hardware": _hw_dict(hw), "model": {"name": ckpt.name, "path": str(ckpt.path),
-                                                   "params": shape.params, "dtype_bytes": shape.dtype_bytes},
+        out = {"hardware": _hw_dict(hw), "model": {"name": shape.name, "path": str(ckpt.path) if ckpt else None,
+                                                   "params": shape.params, "dtype_bytes": shape.dtype_bytes,
+                                                   "planned_from": planned_from},
+               "bandwidth": read,
                "plan": plan.as_dict(), "fidelity": {k: v.as_dict() for k, v in fid.items()},
                "compiled_steps": [{"path": str(p), "bytes": n} for p, n in steps]}
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print(_hw_text(hw))
-    print(f"\nModel: {ckpt.name} · {shape.params / 1e6:.1f} M parameters · {shape.layers} layers · "
+    print(f"\nModel: {shape.name} · {shape.params / 1e6:.1f} M parameters · {shape.layers} layers · "
           f"{shape.kv_bytes_per_token():,} bytes of KV per token · context planned {args.context}")
-    if args.measure:
-        print("Measured: " + " · ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()))
+    if planned_from != "checkpoint":
+        print(f"Planned from {planned_from}: the model is not downloaded "
+              f"(`localchat setup --model {settings.model}` fetches it)")
+    print(_bandwidth_text(read, bw, hw.device, args.measure))
     print()
     print(planner.format_plan(plan))
     print(_fidelity_text(fid))
@@ -140,6 +153,35 @@ def doctor_main(argv: list[str]) -> int:
               f"{human_bytes(sum(n for _, n in steps))} in {steps[0][0].parent.parent} "
               "(a step holds a copy of its model's weights; delete a folder to reclaim it)")
     return EXIT_OK
+
+
+def _model_shape(model: str | None):
+    """(checkpoint or None, shape, where the shape came from). A hub model that is not
+    downloaded (offline, or not fetched yet) is planned from the built-in catalog's copy
+    of its config.json when the catalog knows it."""
+    from engine import checkpoint, planner
+    from engine.errors import ModelNotFound
+    from . import catalog
+    try:
+        ckpt = checkpoint.resolve(model)
+    except ModelNotFound:
+        entry = catalog.find(model) if model else None
+        if entry is None or entry.repo is None:
+            raise
+        return None, entry.shape(), "the built-in catalog's copy of its config.json"
+    return ckpt, planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name), "checkpoint"
+
+
+def _bandwidth_text(read: dict, bw: dict, device: str, remeasured: bool) -> str:
+    """Which read rate the tok/s bounds rest on, and when it was measured."""
+    if not read:
+        return "Memory read rate: not measured (no room for the probe); tok/s ≤ uses a default"
+    kind = "cpu" if device == "cpu" else device.split(":")[0]
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(read["measured_at"]))
+    how = "measured now" if remeasured else f"measured {when}; `localchat doctor --measure` measures again"
+    extra = " · ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in bw.items() if k in ("disk", "host_to_device"))
+    return (f"Memory read rate: {read.get(kind, next(iter(bw.values()))) / 1e9:.1f} GB/s on {device} ({how}); "
+            "each tok/s ≤ is the bytes a token reads over it" + (f"\nMeasured: {extra}" if extra else ""))
 
 
 def _fidelity_text(fid: dict) -> str:

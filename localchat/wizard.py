@@ -27,7 +27,10 @@ from .cli import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error
 from .format import human_bytes
 
 DISK_HEADROOM = 1.05          # download sizes are approximate; keep 5% spare
-SETTING_KEYS = ("model", "drafter", "draft_model")
+SETTING_KEYS = ("model", "drafter", "draft_model", "profile")
+# Below this predicted decode speed a chat feels broken: reading speed is ~5 words (~7
+# tokens) a second. `localchat setup --min-tps` or `usable_tps` in config.toml moves it.
+USABLE_TPS = config_mod.Settings().usable_tps
 
 Ask = Callable[[str], str]
 Say = Callable[[str], None]
@@ -50,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vram", metavar="SIZE", help="memory the engine may use on the device, e.g. 8GiB")
     p.add_argument("--ram", metavar="SIZE", help="host memory the engine may use, e.g. 32GiB")
     p.add_argument("--context", type=int, default=8192, metavar="N", help="tokens of context to plan for (8192)")
+    p.add_argument("--min-tps", type=float, metavar="T",
+                   help="the decode speed a recommendation must reach, in tokens/s (default: usable_tps, 10)")
     return p
 
 
@@ -58,32 +63,43 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass
 class Option:
     model: catalog.CatalogModel
-    profile: str | None          # the chosen profile, None if nothing fits
+    profile: str | None          # the profile to run it with, None if nothing fits
     placement: str | None        # resident | streamed
-    tps: float                   # the chosen row's predicted decode bound
+    tps: float                   # that profile's predicted decode bound (bytes per token / measured bandwidth)
     params: int
+    usable: bool = False         # tps reaches the usable speed
+    auto: str | None = None      # what the planner picks on its own (by exactness), if different
 
 
-def plan_catalog(hw, profiles, context: int = 8192) -> list[Option]:
+def plan_catalog(hw, profiles, context: int = 8192, bandwidth: dict | None = None,
+                 usable_tps: float = USABLE_TPS) -> list[Option]:
+    """Each catalog model on this machine: the most exact runnable profile that fits and
+    is predicted to decode at `usable_tps` or more; if none is that fast, the fastest
+    that fits (marked not usable)."""
     from engine.planner import make_plan
-    placements = {p.name: p.placement for p in profiles}
+    by_name = {p.name: p for p in profiles}
     out = []
     for m in catalog.CATALOG:
         shape = m.shape()
-        plan = make_plan(shape, hw, profiles, context=context, runnable=RUNNABLE)
-        tps = plan.row(plan.chosen).tps_bound if plan.chosen else 0.0
-        out.append(Option(m, plan.chosen, placements.get(plan.chosen), tps, shape.params))
+        plan = make_plan(shape, hw, profiles, context=context, runnable=RUNNABLE, bandwidth=bandwidth)
+        fitting = [r for r in plan.rows if r.fits and r.profile in RUNNABLE]     # rows are in rank order
+        fast = [r for r in fitting if r.tps_bound >= usable_tps]
+        row = fast[0] if fast else max(fitting, key=lambda r: r.tps_bound, default=None)
+        if row is None:
+            out.append(Option(m, None, None, 0.0, shape.params))
+            continue
+        out.append(Option(m, row.profile, by_name[row.profile].placement, row.tps_bound, shape.params,
+                          usable=bool(fast), auto=plan.chosen if plan.chosen != row.profile else None))
     return out
 
 
 def recommend(options: list[Option]) -> Option:
-    """The largest model whose chosen profile keeps the weights on the device (streaming
-    runs anything, but at disk speed: it is offered, not recommended); the demo model if
-    none fits."""
-    resident = [o for o in options if o.profile in RUNNABLE and o.placement == "resident"]
-    if not resident:
+    """The largest model predicted to decode at a usable speed (a profile that fits and
+    streaming included: what matters is the speed a person gets); the demo model if none is."""
+    usable = [o for o in options if o.usable]
+    if not usable:
         return next(o for o in options if o.model.repo is None)
-    return max(resident, key=lambda o: (o.params, o.model.repo is not None))
+    return max(usable, key=lambda o: (o.params, o.model.repo is not None))
 
 
 def format_options(options: list[Option], rec: Option) -> str:
@@ -92,12 +108,9 @@ def format_options(options: list[Option], rec: Option) -> str:
         mark = "→" if o is rec else " "
         size = human_bytes(o.model.download_bytes) if o.model.download_bytes else "–"
         profile = o.profile or "does not fit"
-        if o.profile and o.profile not in RUNNABLE:
-            profile += "*"
-        lines.append(f"{mark}{i:>2}. {o.model.label[:44]:<44} {size:>9} {profile:<15} {o.tps:>8.1f}")
+        slow = "  too slow here" if o.profile and not o.usable else ""
+        lines.append(f"{mark}{i:>2}. {o.model.label[:44]:<44} {size:>9} {profile:<15} {o.tps:>8.1f}{slow}")
     lines.append(f" {len(options) + 1:>2}. another model: type a Hugging Face repo id or a local path")
-    if any(o.profile and o.profile not in RUNNABLE for o in options):
-        lines.append("  * planned profile whose target is not in this version yet: that model will not load here")
     return "\n".join(lines)
 
 
@@ -168,14 +181,15 @@ class Answers:
 
 
 def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None = None,
-               context: int = 8192, path: Path | None = None, fetch_model: Callable[[str], Path] = fetch) -> int:
+               context: int = 8192, path: Path | None = None, fetch_model: Callable[[str], Path] = fetch,
+               bandwidth: dict | None = None, usable_tps: float = USABLE_TPS) -> int:
     """The whole wizard; returns the exit code. `ask` raises EOFError/KeyboardInterrupt to cancel."""
     from engine.errors import EngineError, ModelNotFound
     from .doctor import _hw_text
     answers = answers or Answers()
     try:
         say(_hw_text(hw))
-        options = plan_catalog(hw, profiles, context)
+        options = plan_catalog(hw, profiles, context, bandwidth, usable_tps)
         rec = recommend(options)
         # --- the model
         if answers.model:
@@ -183,8 +197,8 @@ def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None
         elif answers.yes:
             choice = rec.model.key
         else:
-            say("\nModels (→ recommended: the largest that keeps its weights on the device; "
-                "tok/s ≤ is the predicted decode bound):")
+            say(f"\nModels (→ recommended: the largest predicted to decode at {usable_tps:g} tok/s or more "
+                "here; tok/s ≤ is the predicted decode bound from this machine's measured memory speed):")
             say(format_options(options, rec))
             choice = _ask_model(ask, say, options, rec)
         entry = catalog.find(choice)
@@ -192,6 +206,10 @@ def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None
                                                                  if is_local(choice) else choice)
         if entry is not None and model is not None:
             model = entry.repo
+        # A catalog model whose usable profile is not the one the planner picks by
+        # exactness (a quantized one, for speed) gets it written down; else auto.
+        picked = next((o for o in options if entry is not None and o.model is entry), None)
+        profile = picked.profile if picked is not None and picked.auto is not None else None
         # --- the drafter
         suggested = entry.drafter if entry else None
         if answers.drafter:
@@ -216,7 +234,7 @@ def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None
                   "free some space or choose a smaller model")
             return EXIT_FAIL
         # --- confirm
-        what = model or catalog.find(None).label
+        what = (model or catalog.find(None).label) + (f" ({profile}, for speed)" if profile else "")
         drafting = f"drafter {draft_model}" if draft_model else f"drafter {drafter}"
         if not answers.yes:
             dl = f", download about {human_bytes(need)}" if need else ""
@@ -236,7 +254,7 @@ def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None
                 if not _yes(ask("Use the demo model instead? [Y/n] ")):
                     say("Nothing written.")
                     return EXIT_FAIL
-                model, entry = None, catalog.find(None)
+                model, entry, profile = None, catalog.find(None), None
                 if draft_model:
                     drafter, draft_model = "ngram", None
         if draft_model:
@@ -246,7 +264,7 @@ def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None
                 say(f"{exc}; using the ngram drafter instead.")
                 drafter, draft_model = "ngram", None
         # --- the config
-        written, backup = write_config(model, drafter, draft_model, path)
+        written, backup = write_config(model, drafter, draft_model, path, profile)
         say(f"\nWrote {written}" + (f" (the previous one is kept as {backup})" if backup else ""))
         say("Start chatting with: localchat")
         return EXIT_OK
@@ -256,7 +274,7 @@ def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None
 
 
 def write_config(model: str | None, drafter: str, draft_model: str | None,
-                 path: Path | None = None) -> tuple[Path, Path | None]:
+                 path: Path | None = None, profile: str | None = None) -> tuple[Path, Path | None]:
     """Save the three settings (other keys already in the file stay); an existing file is
     first copied to config.toml.bak. The write itself is atomic (config.save)."""
     path = path or config_mod.config_path()
@@ -264,8 +282,8 @@ def write_config(model: str | None, drafter: str, draft_model: str | None,
     if path.is_file():
         backup = path.with_suffix(".toml.bak")
         shutil.copy2(path, backup)
-    written = config_mod.save(config_mod.Settings(model=model, drafter=drafter, draft_model=draft_model),
-                              path, keys=SETTING_KEYS)
+    written = config_mod.save(config_mod.Settings(model=model, drafter=drafter, draft_model=draft_model,
+                                                  profile=profile), path, keys=SETTING_KEYS)
     return written, backup
 
 
@@ -359,8 +377,15 @@ def setup_main(argv: list[str]) -> int:
         error("setup asks questions: run it in a terminal, or pass --yes (with --model/--drafter to choose)")
         return EXIT_USAGE
     ask = prompt_asker() if interactive else _no_questions
+    from engine import bandwidth
+    from engine.checkpoint import default_cache_dir
+    read = bandwidth.rates(bandwidth.measured(default_cache_dir(), hardware.pick_device(hw.device)))
+    usable = args.min_tps if args.min_tps is not None else base.usable_tps
+    if not usable > 0:
+        error(f"--min-tps {usable}: must be a positive speed")
+        return EXIT_USAGE
     try:
-        return run_wizard(hw, profs, ask, print, answers, context=args.context)
+        return run_wizard(hw, profs, ask, print, answers, context=args.context, bandwidth=read, usable_tps=usable)
     except EngineError as exc:
         error(str(exc))
         return EXIT_USAGE

@@ -61,14 +61,59 @@ def test_catalog_entries_plan_and_share_tokenizers():
     assert catalog.find("demo").repo is None
 
 
-def test_recommendation_is_the_largest_resident_model(hw):
-    options = wizard.plan_catalog(hw, profiles.load_all())
-    rec = wizard.recommend(options)
-    assert rec.profile in wizard.RUNNABLE
-    assert all(o.params <= rec.params for o in options if o.profile in wizard.RUNNABLE and o.placement == "resident")
-    assert any(o.placement == "streamed" for o in options)     # larger models are offered, streamed
+GB = 10**9
+
+
+def _options(hw, bandwidth):
+    opts = wizard.plan_catalog(hw, profiles.load_all(), bandwidth=bandwidth, usable_tps=10)
+    return {o.model.key: o for o in opts}, wizard.recommend(list(opts))
+
+
+def test_setup_recommends_what_decodes_at_a_usable_speed_on_a_2_core_cpu():
+    """A 2-core CPU with 25 GB, memory read at 40 GB/s: a token must read at most 4 GB to
+    reach 10 tok/s. By hand, from the Qwen3 configs: Qwen3-4B's decoder linears are
+    36 x (2560x4096 + 2x2560x1024 + 4096x2560 + 3x2560x9728) = 3.634e9 weights, in int4
+    3.634e9/2 + 4 x 3.634e9/32 (bf16 scale and zero per 32) = 2.27 GB, plus the tied
+    embedding 151936 x 2560 in bf16 = 0.78 GB: 3.05 GB, 13.1 tok/s. Qwen3-8B in int4:
+    36 x 192.9e6 = 6.946e9 weights -> 4.34 GB, plus untied embedding and head 2.49 GB =
+    6.83 GB, 5.9 tok/s: too slow. Exact bf16 Qwen3-4B (8.04 GB) would be 5.0 tok/s."""
+    cpu = hardware.Hardware((), 25 * GB, 25 * GB, 500 * GB, "/", "EPYC", 2, True, "cpu", 25 * GB, ("vram",))
+    opts, rec = _options(cpu, {"cpu": 40e9})
+    assert (rec.model.key, rec.profile) == ("Qwen/Qwen3-4B", "resident-int4")
+    assert opts["Qwen/Qwen3-4B"].tps == pytest.approx(40e9 / 3.05e9, rel=0.01)
+    assert opts["Qwen/Qwen3-4B"].auto == "resident-exact"          # so setup writes the profile down
+    assert not opts["Qwen/Qwen3-8B"].usable and opts["Qwen/Qwen3-8B"].tps == pytest.approx(40e9 / 6.83e9, rel=0.01)
+    assert not opts["Qwen/Qwen3-14B"].usable
+
+
+def test_setup_recommends_what_decodes_at_a_usable_speed_on_a_12gb_gpu():
+    """12 GB at 360 GB/s (a consumer card): Qwen3-8B in int8 is 9.44 GB of weights (1 byte
+    a weight + a bf16 scale a row, embeddings bf16) + 1.34 GB of KV for 8192 tokens: it
+    fits, 360/9.44 = 38 tok/s. Qwen3-14B even in int4 (11.4 GB) does not fit beside its
+    KV, and streamed it reads at disk speed. Exact bf16 Qwen3-4B (8.04 GB) fits."""
+    gpu = hardware.Hardware((hardware.Accelerator("cuda", 0, "12 GB card", 12 * GB, 12 * GB),), 64 * GB, 60 * GB,
+                            500 * GB, "/", "x", 8, False, "cuda:0", 12 * GB, ())
+    opts, rec = _options(gpu, {"cuda": 360e9})
+    assert (rec.model.key, rec.profile) == ("Qwen/Qwen3-8B", "resident-int8")
+    assert rec.tps == pytest.approx(360e9 / 9.44e9, rel=0.01)
+    assert opts["Qwen/Qwen3-4B"].profile == "resident-exact" and opts["Qwen/Qwen3-4B"].auto is None
+    assert not opts["Qwen/Qwen3-14B"].usable
+
+
+def test_nothing_usable_recommends_the_demo(hw):
     tiny = replace(hw, budget_bytes=10**6)
     assert wizard.recommend(wizard.plan_catalog(tiny, profiles.load_all())).model.repo is None
+
+
+def test_setup_yes_writes_the_profile_that_makes_the_model_usable(config_file, monkeypatch):
+    cpu = hardware.Hardware((), 25 * GB, 25 * GB, 500 * GB, "/", "EPYC", 2, True, "cpu", 25 * GB, ("vram",))
+    fetched = []
+    code = wizard.run_wizard(cpu, profiles.load_all(), lambda q: "", lambda s: None,
+                             wizard.Answers(model=None, drafter="ngram", yes=True), fetch_model=fetched.append,
+                             bandwidth={"cpu": 40e9}, usable_tps=10)
+    assert code == 0 and fetched == ["Qwen/Qwen3-4B"]
+    saved, _ = config.load(config_file, {})
+    assert (saved.model, saved.profile, saved.drafter) == ("Qwen/Qwen3-4B", "resident-int4", "ngram")
 
 
 def test_wizard_end_to_end_with_a_local_model(hw, tiny_llama, config_file):

@@ -1,0 +1,68 @@
+"""`localchat doctor`: its speed bounds rest on this machine's measured memory read rate
+(kept per machine, measured again on request), a hub model that is not downloaded is
+planned from the catalog, and sizes print with enough figures to differ."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import bandwidth, planner
+
+
+def run_doctor(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "localchat", "doctor", *args], capture_output=True, timeout=240,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))
+
+
+def test_the_read_rate_is_measured_once_per_machine_and_again_on_request(tmp_path):
+    cpu = torch.device("cpu")
+    first = bandwidth.measured(tmp_path, cpu)
+    assert first["cpu"] > 1e9                                 # any machine reads memory faster than 1 GB/s
+    kept = json.loads((tmp_path / bandwidth.FILE).read_text())
+    assert kept[bandwidth.machine_key(cpu)] == first
+    assert bandwidth.measured(tmp_path, cpu) == first          # from the file, not measured again
+    again = bandwidth.measured(tmp_path, cpu, refresh=True)
+    assert again["measured_at"] > first["measured_at"]
+    (tmp_path / bandwidth.FILE).write_text("not json")         # a damaged file is measured over
+    assert bandwidth.measured(tmp_path, cpu)["cpu"] > 1e9
+
+
+def test_doctor_bounds_are_bytes_over_the_measured_rate(tiny_llama):
+    proc = run_doctor("--model", str(tiny_llama), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    rate = out["bandwidth"]["cpu"]
+    exact = next(r for r in out["plan"]["rows"] if r["profile"] == "resident-exact")
+    assert exact["tps_bound"] == pytest.approx(rate / exact["weights"], rel=1e-6)
+    text = run_doctor("--model", str(tiny_llama)).stdout.decode()
+    assert "Memory read rate:" in text and "measured" in text
+
+
+def test_doctor_plans_a_catalog_model_that_is_not_downloaded():
+    proc = run_doctor("--model", "Qwen/Qwen3-14B", "--vram", "8GiB")
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, proc.stderr
+    assert "built-in catalog" in out and "14768.3 M parameters" in out and "streamed-exact" in out
+    proc = run_doctor("--model", "nobody/not-in-the-catalog")
+    assert proc.returncode == 2 and b"nobody/not-in-the-catalog" in proc.stderr
+
+
+def test_sizes_print_with_enough_figures_to_differ():
+    assert planner.gb(232e6) == "232 MB" and planner.gb(1.54e9) == "1.54 GB" and planner.gb(0) == "0"
+    assert planner.gb_apart(2.341e9, 2.3405e9) == ("2.3410 GB", "2.3405 GB")
+    # A need just over the budget still prints as two different figures.
+    from engine import hardware, profiles
+    from engine.errors import BadRequest
+    shape = planner.ModelShape("m", 2, 64, 4, 2, 16, 128, 400, 4, 10**6, 10**5, False, 2)
+    hw = hardware.Hardware((), 10**10, 10**10, 10**10, "/", "cpu", 2, False, "cpu", 10**9, ("vram",))
+    row = planner.make_plan(shape, hw, profiles.builtin(), context=64).row("resident-exact")
+    # A small budget keeps a tenth of itself as margin: need = rest + budget / 10.
+    budget = int((row.total - row.margin) / 0.9) - 3000
+    short = hardware.Hardware((), 10**10, 10**10, 10**10, "/", "cpu", 2, False, "cpu", budget, ("vram",))
+    with pytest.raises(BadRequest) as err:
+        planner.make_plan(shape, short, profiles.builtin(), context=64, force="resident-exact")
+    need, budget = str(err.value).split("needs ")[1].split(": short")[0].split(" but the budget is ")
+    assert need != budget, str(err.value)
