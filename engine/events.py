@@ -40,6 +40,7 @@ class Stats:
     stream_hidden: float = 0.0      # share of that time hidden behind compute (0..1)
     pass_seconds: float = 0.0       # mean seconds of a target pass
     bound_pass_seconds: float = 0.0  # the transfer bound of a pass: streamed bytes / tier bandwidth
+    compute_threads: str = ""       # how many threads one-token steps ran on, and why (CPU only)
     compile_state: str = "off"      # the compiled decode step: off | compiling | ready | failed
     compiled_passes: tuple = ()     # the verify-pass buckets (positions) running compiled
 

@@ -51,7 +51,8 @@ class StatsTracker:
             d = t.stream_stats().minus(self._stream0)
             stream = dict(streamed_bytes=d.streamed_bytes, stream_seconds=d.load_seconds, stream_gbps=d.gbps,
                           stream_hidden=d.hidden, pass_seconds=d.pass_seconds / d.passes if d.passes else 0.0,
-                          bound_pass_seconds=t.bound_pass_seconds())
+                          bound_pass_seconds=t.bound_pass_seconds(),
+                          compute_threads=t.split.short if getattr(t, "split", None) else "")
         return Stats(**stream,
             prompt_tokens=self.prompt_tokens,
             prefill_tokens=self.prefill_tokens,

@@ -143,6 +143,9 @@ def doctor_main(argv: list[str]) -> int:
     print(_bandwidth_text(read, bw, hw.device, args.measure))
     print()
     print(planner.format_plan(plan))
+    threads = _streaming_threads_text(plan, shape, hw, args.context)
+    if threads:
+        print(threads)
     print(_fidelity_text(fid))
     hint = _self_drafter_hint(plan, shape, settings)
     if hint:
@@ -170,6 +173,20 @@ def _model_shape(model: str | None):
             raise
         return None, entry.shape(), "the built-in catalog's copy of its config.json"
     return ckpt, planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name), "checkpoint"
+
+
+def _streaming_threads_text(plan, shape, hw, context: int) -> str | None:
+    """For a streamed plan on a CPU: whether one-token steps may leave the readers a core
+    (engine/target/thread_check.py), from the attention check, which needs no weights."""
+    if plan.chosen != "streamed-exact" or hw.device != "cpu":
+        return None
+    import torch
+    from engine.target import thread_check
+    dtype = torch.float32 if shape.dtype_bytes == 4 else torch.bfloat16
+    check = thread_check.for_streaming(shape.heads, shape.kv_heads, shape.head_dim, dtype, context)
+    if check is None:
+        return None
+    return f"Streamed compute: {check.reason} (attention checked now; a layer's products when the model loads)."
 
 
 def _bandwidth_text(read: dict, bw: dict, device: str, remeasured: bool) -> str:

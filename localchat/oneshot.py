@@ -38,6 +38,8 @@ def format_stats(s) -> str:
         line += (f" · streamed {human_bytes(s.streamed_bytes)} at {s.stream_gbps:.1f} GB/s, "
                  f"{s.stream_hidden:.0%} hidden · pass {s.pass_seconds * 1e3:.0f} ms "
                  f"(transfer bound {s.bound_pass_seconds * 1e3:.0f} ms)")
+        if s.compute_threads:
+            line += f" · {s.compute_threads}"
     if s.compile_state in ("compiling", "ready"):
         line += " · compiled step" if s.compile_state == "ready" else " · compiling in the background"
     if s.compiled_passes:

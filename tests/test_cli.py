@@ -167,6 +167,8 @@ def test_a_model_larger_than_the_budget_streams_and_says_so(tiny_llama):
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr.decode()
     assert "streamed" in err and "GB/s" in err, err
+    # which thread count one-token steps ran on, and why (engine/target/thread_check.py)
+    assert "steps on" in err and ("checked bit-identical" in err or "fewer change the bits" in err), err
 
 
 def test_one_shot_with_compile_on_answers_without_waiting_for_the_compile(tiny_llama, tmp_path):

@@ -40,6 +40,13 @@ class SplitCheck:
     full: int = 0
     upto: int = 0
 
+    @property
+    def short(self) -> str:
+        """The choice in a few words, for a stats line."""
+        if self.threads is None:
+            return f"steps on all {self.full} threads (fewer change the bits here)"
+        return f"steps on {self.threads} of {self.full} threads (checked bit-identical)"
+
 
 def lengths(context: int) -> list[int]:
     """Cache lengths to check attention at: dense where kernels switch block sizes, then
@@ -99,3 +106,18 @@ def check_split(attend: Callable, heads: int, kv_heads: int, head_dim: int, dtyp
     beyond = "" if context <= top else f"; past {top} cached positions on all {full}"
     return SplitCheck(few, f"one-token steps on {few} of {full} threads, the readers on the rest: checked "
                            f"bit-identical to {full} threads on this machine{beyond}", full, top)
+
+
+def for_streaming(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, context: int,
+                  readers: int = 2) -> SplitCheck | None:
+    """What a streamed target on this CPU would decide from attention alone (what
+    `localchat doctor` can say before loading weights); None with a single thread."""
+    import torch.nn.functional as F
+    full = torch.get_num_threads()
+    if full < 2:
+        return None
+
+    def attend(q, keys, values):
+        return F.scaled_dot_product_attention(q, keys, values, scale=head_dim ** -0.5, enable_gqa=heads != kv_heads)
+    return check_split(attend, heads, kv_heads, head_dim, dtype, torch.device("cpu"), context,
+                       max(1, full - readers), full)
