@@ -1,5 +1,5 @@
 """What torch.compile buys our one-token decode step, before it is wired into the engine
-(issue 7): the demo model's fast forward (engine/target/llama_family.py) at T = 1, eager
+(issue 7): the demo model's fast forward (engine/models/llama_family.py) at T = 1, eager
 against `torch.compile(fullgraph=True)` with inductor freezing, in the same run: compile
 time (the first graph at one position, then the graph with the position symbolic),
 median step time at the same positions, and how far the compiled logits are from the

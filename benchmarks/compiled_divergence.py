@@ -1,7 +1,7 @@
 """Where compiled bfloat16 decoding leaves eager bfloat16 decoding, and how close the call
 was (issue 7): other kernels round bf16 differently, so greedy answers may part at a token
 whose two best candidates were nearly tied. For each prompt, greedy answers from the eager
-step and from the compiled step (engine/compiled.py, waited for), the first token where
+step and from the compiled step (engine/compile/step.py, waited for), the first token where
 they differ, and the eager model's top-2 logit margin there (teacher-forced on the shared
 prefix). Float32 eager against bf16 eager is reported the same way, for scale. Writes JSON.
 

@@ -111,7 +111,7 @@ def main() -> None:
         }
         comp = None
         if not args.no_compile:
-            # The engine's compiled decode step (engine/compiled.py), waited for here; in
+            # The engine's compiled decode step (engine/compile/step.py), waited for here; in
             # the chat it lands in the background while the first answers run eagerly.
             eager_ttft = first_token_seconds(engine.open(dtype=dtype, drafter="none"))
             comp = engine.open(dtype=dtype, drafter="none", compile="on", cache_dir=fresh_cache())

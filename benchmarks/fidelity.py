@@ -22,8 +22,8 @@ import engine  # noqa: E402
 from common import machine, write_json  # noqa: E402
 from engine import fidelity  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
-from engine.target.quantized import load_quantized  # noqa: E402
-from engine.target.resident import load_resident  # noqa: E402
+from engine.targets.quantized import load_quantized  # noqa: E402
+from engine.targets.resident import load_resident  # noqa: E402
 
 HELD = {"prose": "held_prose.txt", "code": "held_code.py.txt"}
 PROMPTS = ["Why is the sky blue?", "Write a Python function that checks whether a string is a palindrome.",

@@ -24,7 +24,7 @@ from common import machine, write_json  # noqa: E402
 from decode import PROMPT, generate_once, interleaved, ours_once  # noqa: E402
 from engine.drafters import NgramDrafter, NoDrafter  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
-from engine.target.quantized import load_quantized  # noqa: E402
+from engine.targets.quantized import load_quantized  # noqa: E402
 
 # name -> (weights, embeddings quantized too)
 VARIANTS = {"int8": ("int8", False), "int4": ("int4", False), "int8+emb": ("int8", True), "int4+emb": ("int4", True)}

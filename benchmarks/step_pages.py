@@ -1,4 +1,4 @@
-"""Where a compiled step's weights live (engine/pages.py), demo model: the resident
+"""Where a compiled step's weights live (engine/compile/pages.py), demo model: the resident
 bytes of the package library's own copy of the weights before and after they are given
 back; and the compiled step on 4 KiB pages against the same package with its weights
 moved onto transparent huge pages (MADV_COLLAPSE, Linux 6.1+; tried, inside the noise,
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine  # noqa: E402
 from common import machine, median, write_json  # noqa: E402
-from engine import exported, hardware, pages  # noqa: E402
+from engine import hardware  # noqa: E402
+from engine.compile import exported, pages  # noqa: E402
 
 
 HUGE = 2 << 20

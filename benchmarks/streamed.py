@@ -32,8 +32,8 @@ import torch  # noqa: E402
 import engine  # noqa: E402
 from common import machine, median, write_json  # noqa: E402
 from engine import checkpoint  # noqa: E402
-from engine.target.prefetch import Files, byte_view  # noqa: E402
-from engine.target.streamed import load_streamed, minimum_budget  # noqa: E402
+from engine.targets.prefetch import Files, byte_view  # noqa: E402
+from engine.targets.streamed import load_streamed, minimum_budget  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
 from localchat.bench import load_workloads  # noqa: E402
 

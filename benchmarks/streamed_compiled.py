@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import machine, median, write_json  # noqa: E402
-from engine import exported  # noqa: E402
+from engine.compile import exported  # noqa: E402
 from streamed import resident_and_streamed  # noqa: E402
 
 PROMPT = "Explain in a few sentences why the sky is blue."

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import engine  # noqa: E402
-from engine import exported  # noqa: E402
+from engine.compile import exported  # noqa: E402
 from common import machine, write_json  # noqa: E402
 from engine.speculative import PassCosts  # noqa: E402
 from localchat.bench import load_workloads, measure, pass_seconds  # noqa: E402

@@ -95,8 +95,8 @@ def measure_formats(path, device, formats=("int8", "int4"), limit: int = 512, ca
     import json
     from pathlib import Path
 
-    from .target.quantized import load_quantized
-    from .target.resident import checkpoint_dtype, load_resident
+    from .targets.quantized import load_quantized
+    from .targets.resident import checkpoint_dtype, load_resident
     from . import hardware
 
     path = Path(path)
@@ -134,5 +134,5 @@ def _store(path, limit: int, cache_dir=None):
     from pathlib import Path
 
     from .checkpoint import default_cache_dir
-    from .target.qcache import source_identity
+    from .targets.qcache import source_identity
     return Path(cache_dir or default_cache_dir()) / "fidelity" / f"{source_identity(Path(path))[:32]}-{limit}.json"

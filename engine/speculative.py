@@ -69,7 +69,7 @@ class PassCosts:
 
     def follow_kernels(self, target, drafter) -> None:
         """Forget what passes or drafts cost once a compiled step has gone live under them
-        (engine/compiled.py): compiled kernels change the cost curve, not just its level (a
+        (engine/compile/step.py): compiled kernels change the cost curve, not just its level (a
         compiled one-token step gains more than an eager verify pass), so the best k is
         measured afresh rather than drifted towards."""
         key = (_kernels(target), _kernels(getattr(drafter, "target", None)))

@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from .argparsing import Parser
-from .cli import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, error, load_settings, open_engine,
+from .common import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, error, load_settings, open_engine,
                   quiet_libraries)
 
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from .argparsing import Parser
-from .cli import EXIT_OK, EXIT_USAGE, error, load_settings, quiet_libraries
+from .common import EXIT_OK, EXIT_USAGE, error, load_settings, quiet_libraries
 from .format import human_bytes
 
 
@@ -123,7 +123,7 @@ def doctor_main(argv: list[str]) -> int:
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
-    from engine import package_dirs
+    from engine.compile import package_dirs
     steps = package_dirs.cached_steps(checkpoint.default_cache_dir())
     if args.json:
         out = {"hardware": _hw_dict(hw), "model": {"name": shape.name, "path": str(ckpt.path) if ckpt else None,
@@ -177,11 +177,11 @@ def _model_shape(model: str | None):
 
 def _streaming_threads_text(plan, shape, hw, context: int) -> str | None:
     """For a streamed plan on a CPU: whether one-token steps may leave the readers a core
-    (engine/target/thread_check.py), from the attention check, which needs no weights."""
+    (engine/targets/thread_check.py), from the attention check, which needs no weights."""
     if plan.chosen != "streamed-exact" or hw.device != "cpu":
         return None
     import torch
-    from engine.target import thread_check
+    from engine.targets import thread_check
     dtype = torch.float32 if shape.dtype_bytes == 4 else torch.bfloat16
     check = thread_check.for_streaming(shape.heads, shape.kv_heads, shape.head_dim, dtype, context)
     if check is None:

@@ -6,7 +6,7 @@ import json
 import sys
 
 from .format import human_bytes
-from .cli import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, compile_mode, error, open_engine
+from .common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, compile_mode, error, open_engine
 
 
 def read_prompt(args_prompt: list[str], stdin=None) -> tuple[str, bool]:

@@ -23,7 +23,7 @@ from engine import RUNNABLE   # the profiles this engine has targets for: only t
 from .argparsing import Parser
 from . import catalog
 from . import config as config_mod
-from .cli import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error
+from .common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error
 from .format import human_bytes
 
 DISK_HEADROOM = 1.05          # download sizes are approximate; keep 5% spare

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from localchat import cli, config
+from localchat import cli, common, config
 from localchat.oneshot import read_prompt
 
 
@@ -36,7 +36,7 @@ def test_non_utf8_stdin_is_replaced_and_flagged():
 
 def test_flags_override_config():
     args = cli.build_parser().parse_args(["--temperature", "0.5", "-n", "7", "hi"])
-    s = cli.settings_from(args, config.Settings(temperature=0.9, max_tokens=100, system="x"))
+    s = common.settings_from(args, config.Settings(temperature=0.9, max_tokens=100, system="x"))
     assert (s.temperature, s.max_tokens, s.system) == (0.5, 7, "x")
 
 
@@ -167,7 +167,7 @@ def test_a_model_larger_than_the_budget_streams_and_says_so(tiny_llama):
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr.decode()
     assert "streamed" in err and "GB/s" in err, err
-    # which thread count one-token steps ran on, and why (engine/target/thread_check.py)
+    # which thread count one-token steps ran on, and why (engine/targets/thread_check.py)
     assert "steps on" in err and ("checked bit-identical" in err or "fewer change the bits" in err), err
 
 
@@ -186,9 +186,9 @@ def test_a_one_shot_answer_decodes_eagerly_by_default():
     # --compile auto: the chat UI compiles; a one-shot answer neither builds a step nor
     # loads a built one (during the answer that costs more than it gains, see
     # localchat/cli.py compile_mode); --compile on still asks for it.
-    assert cli.compile_mode(config.Settings(compile="auto"), interactive=True) == "auto"
-    assert cli.compile_mode(config.Settings(compile="auto"), interactive=False) == "off"
-    assert cli.compile_mode(config.Settings(compile="on"), interactive=False) == "on"
+    assert common.compile_mode(config.Settings(compile="auto"), interactive=True) == "auto"
+    assert common.compile_mode(config.Settings(compile="auto"), interactive=False) == "off"
+    assert common.compile_mode(config.Settings(compile="on"), interactive=False) == "on"
 
 
 def test_compile_flag_and_setting_are_checked(tiny_llama):

@@ -1,5 +1,5 @@
-"""The background compile's thread and child process (engine/compile_worker.py,
-engine/builder.py): it parks while an answer runs, ends when it has nothing queued, and
+"""The background compile's thread and child process (engine/compile/worker.py,
+engine/compile/builder.py): it parks while an answer runs, ends when it has nothing queued, and
 a package built in a child process is stopped with it, says why it failed in one line, and
 leaves with the chat."""
 import subprocess
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import engine
-from engine import builder, compile_worker, compiled
+from engine.compile import builder
+from engine.compile import step as compiled
+from engine.compile import worker as compile_worker
 from waiting import wait_until
 
 
@@ -127,7 +129,7 @@ def test_a_child_build_ends_with_the_chat(tiny_llama, tmp_path):
 import os, sys, threading, time
 sys.path.insert(0, {str(Path(engine.__file__).parent.parent)!r})
 import engine
-from engine import builder
+from engine.compile import builder
 eng = engine.open({str(tiny_llama)!r}, dtype="float32", drafter="none")
 from pathlib import Path
 threading.Thread(target=builder.build, args=(eng.target.recipe, Path({str(tmp_path)!r}) / "step.pt2", "default", 1, True),

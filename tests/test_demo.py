@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from engine import pages
+from engine.compile import pages
 from engine.session import render_prompt
 
 pytestmark = pytest.mark.demo
@@ -32,7 +32,7 @@ def reference(demo_engine):
 
 
 def test_demo_runs_the_fast_forward_in_float32(demo_engine):
-    assert demo_engine.target.kind == "fast"
+    assert demo_engine.targets.kind == "fast"
     assert demo_engine.dtype == torch.float32       # a dequantized GGUF is exact in float32
 
 
@@ -141,7 +141,7 @@ def test_demo_model_drafting_for_itself_accepts_everything(demo_engine):
 
 
 def test_compiled_step_equals_generate(reference):
-    """The compiled decode step (engine/compiled.py) on the demo model in float32: compiled
+    """The compiled decode step (engine/compile/step.py) on the demo model in float32: compiled
     for real (a cold compile takes about two minutes on two cores; later runs find the
     cache under LOCALCHAT_CACHE_DIR), then every prompt's greedy answer token for token
     what generate() gives."""
@@ -150,7 +150,7 @@ def test_compiled_step_equals_generate(reference):
     step = eng.target.compiled
     assert step.wait(1800), step.error
     # The package's library carried a copy of the weights (621 MB); it was copied out at
-    # load, and its pages were given back (engine/pages.py).
+    # load, and its pages were given back (engine/compile/pages.py).
     library = [m for m in pages.mappings() if "localchat-step-" in m.path and m.perms.startswith("r--")]
     assert library and sum(m.fields.get("Rss", 0) for m in library) < 32 << 20
     for prompt in PROMPTS:

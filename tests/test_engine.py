@@ -7,7 +7,7 @@ import torch
 
 import engine
 from engine.session import render_prompt
-from engine.target.resident import load_resident
+from engine.targets.resident import load_resident
 
 
 def hf_model(path):
@@ -209,9 +209,9 @@ def test_stop_token_ends_the_answer(tiny_llama):
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
 def test_rms_norm_is_the_reference_bit_for_bit_whichever_form_it_uses(request, fixture):
     """The fast forward uses a faster RMSNorm form only where the probe found it rounds as
-    the reference does on this machine (engine/target/norms.py); either way its output is
+    the reference does on this machine (engine/models/norms.py); either way its output is
     the reference's bits, in float32 and in bfloat16."""
-    from engine.target import norms
+    from engine.models import norms
     for dtype in (torch.float32, torch.bfloat16):
         fast = load_resident(request.getfixturevalue(fixture), torch.device("cpu"), dtype).impl
         g = torch.Generator().manual_seed(0)

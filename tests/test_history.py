@@ -204,8 +204,8 @@ def test_oneshot_with_a_corrupt_database_still_answers(tiny_llama, tmp_path, mon
 # The real CLI in a child process, with the tiny model's end-of-turn tokens removed so
 # the answer runs until the process is killed.
 KILLABLE = textwrap.dedent("""
-    import sys, engine
-    engine._stop_ids = lambda path, tok: frozenset()
+    import sys, engine.engine
+    engine.engine._stop_ids = lambda path, tok: frozenset()
     from localchat.cli import main
     sys.exit(main(sys.argv[1:]))
 """)

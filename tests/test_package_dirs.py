@@ -1,11 +1,11 @@
-"""Package directories (engine/package_dirs.py): keyed by what a package is valid for, and
+"""Package directories (engine/compile/package_dirs.py): keyed by what a package is valid for, and
 stale ones swept."""
 import os
 import time
 
 import torch
 
-from engine import package_dirs
+from engine.compile import package_dirs
 
 
 def test_cache_key_separates_what_a_graph_is_valid_for():

@@ -1,4 +1,4 @@
-"""engine/pages.py on real mappings of this process: a mapped file's resident pages are
+"""engine/compile/pages.py on real mappings of this process: a mapped file's resident pages are
 given back and read again unchanged, and a page that was written is never dropped."""
 import ctypes
 import mmap
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from engine import pages
+from engine.compile import pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc and madvise")
 MB = 1 << 20

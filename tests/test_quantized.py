@@ -12,9 +12,9 @@ import torch
 import engine
 from engine import checkpoint, fidelity
 from engine.drafters import ModelDrafter, NgramDrafter, NoDrafter
-from engine.target import qweights
-from engine.target.quantized import load_quantized
-from engine.target.resident import load_resident
+from engine.targets import qweights
+from engine.targets.quantized import load_quantized
+from engine.targets.resident import load_resident
 
 CPU = torch.device("cpu")
 DATA = Path(__file__).parent.parent / "engine" / "data"   # the held texts ship with the engine (doctor --fidelity)
@@ -107,7 +107,7 @@ def dequantized_reference(path, fmt: str):
     """The exact forward over weights replaced by their quantize->dequantize round trip:
     what the quantized target computes, in plain float32 arithmetic."""
     from transformers import AutoModelForCausalLM
-    from engine.target.resident import ResidentTarget
+    from engine.targets.resident import ResidentTarget
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -165,7 +165,7 @@ def test_group_size_that_does_not_divide_is_refused(tiny_llama, tmp_path):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_speculative_greedy_equals_plain_on_the_quantized_target(tiny_llama, tmp_path, fmt):
     ckpt = checkpoint.Checkpoint(tiny_llama, "tiny", "dir")
-    tok = engine._load_tokenizer(tiny_llama)
+    tok = engine.engine._load_tokenizer(tiny_llama)
     eng = engine.Engine(ckpt, tok, load(tiny_llama, tmp_path, fmt, act_dtype=torch.bfloat16), drafter=NoDrafter())
     eng.stop_ids = frozenset()
     prompts = ["Why is the sky blue?", "def fib(n):\n    return n if n < 2 else fib(n - 1)"]

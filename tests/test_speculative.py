@@ -13,7 +13,7 @@ from engine import speculative
 from engine.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from engine.sampling import SamplingParams, accept_probability, residual, verify_sampled
 from engine.speculative import DraftController, expected_tokens
-from engine.target.resident import load_resident
+from engine.targets.resident import load_resident
 
 PROMPTS = ["Why is the sky blue?", "def fib(n):\n    return n if n < 2 else fib(n - 1)", "Café 東京 🙂 for i in range(10):"]
 
@@ -82,7 +82,7 @@ def test_scripted_drafter_always_wrong_or_right(tiny_engine, wrong):
             assert stats.acceptance == 1.0 and stats.forward_passes == math.ceil(39 / 5)
     finally:
         eng.drafter, eng.draft_tokens = NoDrafter(), None
-        eng.stop_ids = engine.open.__globals__["_stop_ids"](eng.checkpoint.path, eng.tokenizer)
+        eng.stop_ids = engine.engine._stop_ids(eng.checkpoint.path, eng.tokenizer)
 
 
 def test_caches_hold_exactly_the_committed_tokens(tiny_llama):

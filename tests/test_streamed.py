@@ -9,8 +9,8 @@ import torch
 import engine
 from engine import planner
 from engine.errors import BadRequest, CheckpointError
-from engine.target.resident import load_resident
-from engine.target.streamed import load_streamed, minimum_budget
+from engine.targets.resident import load_resident
+from engine.targets.streamed import load_streamed, minimum_budget
 from tiny import budget_for, build_model
 
 CPU = torch.device("cpu")
@@ -101,7 +101,7 @@ def test_split_threads_only_where_the_check_found_the_same_bits(tiny_llama, torc
 
 
 def test_thread_check_refuses_an_op_whose_bits_follow_the_thread_count():
-    from engine.target import thread_check
+    from engine.targets import thread_check
 
     def attend(q, keys, values):          # sums in an order that depends on the thread count
         n = torch.get_num_threads()
@@ -126,8 +126,8 @@ def test_thread_check_refuses_an_op_whose_bits_follow_the_thread_count():
 def test_every_weight_the_forwards_read_starts_on_64_bytes(tiny_llama, tiny_bf16):
     """Matrix-vector kernels may round by alignment: the resident forward's weights and the
     streamed slots' fields all start on 64-byte boundaries, so both run the same kernels."""
-    from engine.target import layer_index
-    from engine.target.llama_family import ALIGN_BYTES
+    from engine.targets import layer_index
+    from engine.models.llama_family import ALIGN_BYTES
     for path, dtype in ((tiny_llama, torch.float32), (tiny_bf16, torch.bfloat16)):
         res = load_resident(path, CPU, dtype)
         assert all(t.data_ptr() % ALIGN_BYTES == 0 for t in res.impl.weight_tensors())
@@ -137,7 +137,7 @@ def test_every_weight_the_forwards_read_starts_on_64_bytes(tiny_llama, tiny_bf16
 
 
 def test_host_tier_and_bf16_staging_equal_resident(tiny_bf16, monkeypatch):
-    from engine.target import prefetch
+    from engine.targets import prefetch
     monkeypatch.setattr(prefetch, "READ_CHUNK", 4096)     # several reader threads on every piece
     ref = _passes(load_resident(tiny_bf16, CPU, torch.float32))
     third = _model_bytes(tiny_bf16) // 3
@@ -316,7 +316,7 @@ def test_demo_streaming_holds_its_budget_in_a_real_process(tmp_path):
 import json, psutil, torch
 from transformers import LlamaForCausalLM   # the modeling code the skeleton imports
 from engine import checkpoint
-from engine.target.streamed import load_streamed
+from engine.targets.streamed import load_streamed
 path = checkpoint.resolve(None).path
 total = sum(e.nbytes for e in checkpoint.tensor_index(path).values())
 torch.ones(1) @ torch.ones(1)

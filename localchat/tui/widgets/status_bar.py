@@ -72,7 +72,7 @@ class StatusBar(Widget):
         return line
 
     def follow_compile(self, step) -> None:
-        """Show a background compile's state (engine.compiled.CompiledStep, or None), polled
+        """Show a background compile's state (engine.compile.step.CompiledStep, or None), polled
         until it ends: it lands between answers as often as during one."""
         self.compile = step.state if step is not None else "off"
         self.verify = step.passes_state if step is not None else "off"

@@ -1,7 +1,7 @@
 """Does a one-token step give the same bits on fewer threads? Checked on this machine.
 
 The streamed target would like to compute its one-token steps on fewer threads than the
-resident target, so that the prefetch readers keep a core of their own (target/streamed.py).
+resident target, so that the prefetch readers keep a core of their own (targets/streamed.py).
 That is only allowed if the logits stay the resident target's bit for bit, and whether they
 do is a property of the CPU and of torch's kernels, not of our code. Measured with torch
 2.13 on a 2-core AMD EPYC: every matrix product, norm and elementwise op of a one-token

@@ -13,7 +13,7 @@ package at the path it is given, and exits. While an answer runs the whole child
 group is stopped (SIGSTOP: every compiler process with it) and continued after, so an
 answer gets the machine the build would otherwise share, and the child runs at a lower
 priority so the chat's screen stays quick. The parent loads and checks the package as
-before (engine/compiled.py). The child leaves when the parent does: a stopped child is sent
+before (engine/compile/step.py). The child leaves when the parent does: a stopped child is sent
 SIGHUP by the kernel when its group is orphaned, a running one watches its parent.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def build(recipe: dict, path: Path, mode: str, rows: int, private_cache: bool) -
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     try:
         with open(os.devnull, "wb") as null:
-            proc = subprocess.Popen([sys.executable, "-m", "engine.builder", json.dumps(spec)],
+            proc = subprocess.Popen([sys.executable, "-m", "engine.compile.builder", json.dumps(spec)],
                                     stdin=subprocess.DEVNULL, stdout=null, stderr=null, env=env,
                                     process_group=0)   # its own group (signals reach its compilers), same session
             _adopt(proc)
@@ -134,11 +134,11 @@ def load(recipe: dict):
     import torch
     device = torch.device(recipe["device"])
     if recipe["loader"] == "quantized":
-        from .target.quantized import load_quantized
+        from ..targets.quantized import load_quantized
         return load_quantized(Path(recipe["path"]), device, recipe["weights"], group_size=recipe["group_size"],
                               act_dtype=getattr(torch, recipe["act_dtype"]), embeddings=recipe["embeddings"],
                               cache_dir=Path(recipe["cache_dir"]) if recipe["cache_dir"] else None)
-    from .target.resident import load_resident
+    from ..targets.resident import load_resident
     return load_resident(Path(recipe["path"]), device, getattr(torch, recipe["dtype"]), fast=recipe["fast"])
 
 
@@ -155,10 +155,10 @@ def main(argv: list[str]) -> int:
     _watch_parent(spec["parent"])
     os.nice(NICE)
     try:
-        from . import compiled, exported
+        from . import exported
         target = load(spec["recipe"])
         impl = target.impl
-        compiled._as_parameters(impl)
+        exported.as_parameters(impl)
         impl._rope(0, target.cache.capacity, impl.norm)
         exported.build(impl, target.cache.k + target.cache.v, Path(spec["path"]), spec["mode"],
                        private_cache=spec["private_cache"], rows=spec["rows"])

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from .. import planner
 from ..errors import BadRequest, EngineError, UnsupportedModel
-from . import layer_index, llama_family, thread_check
+from ..models import llama_family
+from . import layer_index, thread_check
 from ..cache import KVCache
 from .resident import ResidentTarget
 from .prefetch import Counters, Filler, Files, Ledger, Prefetcher, Slot, byte_view

@@ -1,7 +1,7 @@
-"""The thread that compiles in the background (engine/compiled.py's jobs, one after
+"""The thread that compiles in the background (engine/compile/step.py's jobs, one after
 another), and how it keeps out of the way of the answers: it pauses while any answer is
 generated (engine/session.py calls pause and resume), stops a child's build outright
-(engine/builder.py), and never holds an OpenMP team while it waits (off_thread)."""
+(engine/compile/builder.py), and never holds an OpenMP team while it waits (off_thread)."""
 from __future__ import annotations
 
 import contextlib

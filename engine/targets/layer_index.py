@@ -18,7 +18,7 @@ import torch
 
 from ..checkpoint import TensorEntry, tensor_index
 from ..errors import UnsupportedModel
-from .llama_family import LayerWeights
+from ..models.llama_family import LayerWeights
 
 FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Head chunks are whole multiples of this many vocabulary rows: the CPU GEMM then blocks

@@ -1,6 +1,6 @@
 """The pages of a loaded compiled step's library (Linux; elsewhere nothing is done).
 
-A package built with its weights (the decode step, engine/exported.py) carries them
+A package built with its weights (the decode step, engine/compile/exported.py) carries them
 inside its shared library. Loading it copies them into memory of the step's own (a
 malloc'd blob on a CPU, the device on a GPU), and the library's copy is never read
 again; but it stays mapped, and its pages stay resident, for as long as the process

@@ -10,7 +10,7 @@ import torch
 
 from ..cache import KVCache
 from ..errors import CheckpointError, UnsupportedModel
-from . import hf_forward, llama_family
+from ..models import hf_forward, llama_family
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,8 +22,8 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
 
 
 class ResidentTarget:
-    compiled = None              # an engine.compiled.CompiledStep once one is started
-    recipe: dict | None = None   # how to load it again (set by the loaders; engine/builder.py)
+    compiled = None              # an engine.compile.step.CompiledStep once one is started
+    recipe: dict | None = None   # how to load it again (set by the loaders; engine/compile/builder.py)
 
     def __init__(self, model, device: torch.device, dtype: torch.dtype, fast: bool = True,
                  cache_capacity: int = 1024):
@@ -134,7 +134,7 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
                               "re-download the model") from None
     model.to(device).eval()
     target = ResidentTarget(model, device, dtype, fast=fast)
-    # How to load this target again (a compile builds its package in a child process: engine/builder.py).
+    # How to load this target again (a compile builds its package in a child process: engine/compile/builder.py).
     target.recipe = {"loader": "resident", "path": str(path), "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "fast": fast}
     return target

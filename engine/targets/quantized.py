@@ -28,7 +28,8 @@ from .. import hardware
 from ..cache import KVCache
 from ..checkpoint import TensorEntry, default_cache_dir, tensor_index
 from ..errors import BadRequest, CheckpointError, UnsupportedModel
-from . import llama_family, qweights
+from ..models import llama_family
+from . import qweights
 from .qcache import QuantCache, cache_path, source_identity
 from .resident import ResidentTarget
 
@@ -130,7 +131,7 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
                      qweights._int8_kernel_works(device, act_dtype), qweights._int4_kernel_works(device, act_dtype))
     target = QuantizedTarget(cfg, device, act_dtype,
                              dict(parts, rotary=rotary, scaling=skeleton.model.layers[0].self_attn.scaling), info)
-    # How to load this target again (from the cache just made: engine/builder.py).
+    # How to load this target again (from the cache just made: engine/compile/builder.py).
     target.recipe = {"loader": "quantized", "path": str(path), "device": str(device), "weights": weights,
                      "group_size": group_size, "act_dtype": str(act_dtype).removeprefix("torch."),
                      "embeddings": embeddings, "cache_dir": str(cache_dir) if cache_dir else None}

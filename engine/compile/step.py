@@ -9,7 +9,7 @@ A cold compile takes minutes on a small CPU, so nobody waits for it: a thread bu
 step against a scratch KV cache (same shapes, same weights) while the chat decodes
 eagerly, and the target uses the compiled step from the next token on once it is ready.
 
-It is built ahead of time (engine/exported.py: torch.export, then an AOTInductor package)
+It is built ahead of time (engine/compile/exported.py: torch.export, then an AOTInductor package)
 and kept under the user cache dir in a directory per model and weight files, dtype,
 weight format, torch version, device and CPU instruction set, so a later start loads it
 in seconds instead of compiling again. Before a step goes live it must compute the
@@ -32,46 +32,26 @@ import os
 import threading
 import time
 import types
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from . import builder, exported, hardware, package_dirs
-from . import compile_worker as worker
-from .cache import KVCache
+from .. import hardware
+from ..cache import KVCache
+from . import builder, exported, package_dirs
+from . import worker
 
-MODE = "max-autotune-unfused"            # engine/exported.py MODES; torch.compile runs "default"
+MODE = "max-autotune-unfused"            # engine/compile/exported.py MODES; torch.compile runs "default"
 # A verify bucket goes live only if it beats the eager pass by this much (measured when it is
 # built or loaded). On a small CPU a verify pass's GEMMs are the same BLAS calls either way
 # and the rows amortise the eager overhead, so the two can be even: then eager is kept.
 PASS_GAIN = 0.97
 STATES = ("off", "compiling", "ready", "failed")
-# Packages are built in a child process where one can (engine/builder.py); False builds in
+# Packages are built in a child process where one can (engine/compile/builder.py); False builds in
 # this process, as a target without a recipe (one not made by the loaders) always does.
 CHILD_BUILDS = True
 # A TORCHINDUCTOR_CACHE_DIR the user set wins; otherwise each model gets its own directory.
 _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
-
-def _as_parameters(impl) -> None:
-    """Freezing folds parameters into the graph (plain tensors reached through Python
-    objects would stay graph inputs, and their GEMMs unpacked). The data is shared."""
-    def p(t):
-        if t is None or isinstance(t, torch.nn.Parameter):
-            return t
-        if not isinstance(t, torch.Tensor):
-            # A packed int8/int4 weight (target/qweights.py): its tensors become
-            # parameters, so its kernel's weight is a constant of the graph too.
-            for name, v in vars(t).items():
-                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
-                    setattr(t, name, torch.nn.Parameter(v, requires_grad=False))
-            return t
-        return torch.nn.Parameter(t, requires_grad=False)
-    for w in impl.layers:
-        for f in fields(w):
-            setattr(w, f.name, p(getattr(w, f.name)))
-    impl.embed, impl.norm, impl.head = p(impl.embed), p(impl.norm), p(impl.head)
-
 
 def _step(impl, ids: torch.Tensor, pos: int) -> torch.Tensor:
     return impl(ids, pos, False)
@@ -121,7 +101,7 @@ class CompiledStep:
 
     def start(self) -> None:
         impl = self.target.impl
-        _as_parameters(impl)
+        exported.as_parameters(impl)
         # The rotary table the real step will read: built now, shared with the scratch copy.
         impl._rope(0, self.target.cache.capacity, impl.norm)
         worker.submit(self._compile, self._done)
@@ -275,7 +255,7 @@ class CompiledStep:
 
     def _build_aot(self, path: Path, rows: int, mode: str):
         """Build the package of a pass of `rows` positions at `path` (in a child process
-        where one can: engine/builder.py), load and check it; a miscompile is deleted, not
+        where one can: engine/compile/builder.py), load and check it; a miscompile is deleted, not
         kept for the next start."""
         path.parent.mkdir(parents=True, exist_ok=True)
         if self._in_child():
@@ -320,7 +300,7 @@ class CompiledStep:
 
     def _used(self) -> None:
         """A package of this directory checked out: mark the directory used, and remove
-        stale ones beside it (engine/package_dirs.py); once per start."""
+        stale ones beside it (engine/compile/package_dirs.py); once per start."""
         if self._marked:
             return
         self._marked = True

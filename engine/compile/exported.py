@@ -58,13 +58,13 @@ _MAX = 1 << 24
 # same process: 39.1 and 40.0 ms a step against 44.0 and 45.7 ms, with the bare matrix-vector
 # products over the same weights at 36-38 ms.
 SERIAL_BELOW = 1 << 16
-# Part of the cache key (engine/compiled.py): a change in how packages are built must not
+# Part of the cache key (engine/compile/step.py): a change in how packages are built must not
 # load a package built the old way.
 FORMAT = "2"
 
 
 def _tensors_of(obj) -> dict[str, torch.Tensor]:
-    """The tensors a packed weight object (target/qweights.py) holds, one level down
+    """The tensors a packed weight object (targets/qweights.py) holds, one level down
     included (an int4 weight's row reader)."""
     out = {}
     for k, v in vars(obj).items():
@@ -134,6 +134,26 @@ class _PassModule(torch.nn.Module):
         n = len(kv) // 2
         impl.cache.k, impl.cache.v = list(kv[:n]), list(kv[n:])
         return impl(ids, pos, self.rows > 1)
+
+
+def as_parameters(impl) -> None:
+    """Freezing folds parameters into the graph (plain tensors reached through Python
+    objects would stay graph inputs, and their GEMMs unpacked). The data is shared."""
+    def p(t):
+        if t is None or isinstance(t, torch.nn.Parameter):
+            return t
+        if not isinstance(t, torch.Tensor):
+            # A packed int8/int4 weight (targets/qweights.py): its tensors become
+            # parameters, so its kernel's weight is a constant of the graph too.
+            for name, v in vars(t).items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                    setattr(t, name, torch.nn.Parameter(v, requires_grad=False))
+            return t
+        return torch.nn.Parameter(t, requires_grad=False)
+    for w in impl.layers:
+        for f in dataclasses.fields(w):
+            setattr(w, f.name, p(getattr(w, f.name)))
+    impl.embed, impl.norm, impl.head = p(impl.embed), p(impl.norm), p(impl.head)
 
 
 def constants(impl, rows: int = 1) -> dict[str, torch.Tensor]:

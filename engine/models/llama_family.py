@@ -68,7 +68,7 @@ def can_run(model) -> str | None:
 # with torch 2.13 on an AVX-512 EPYC: a 1-row product with a weight 40 bytes past a 64-byte
 # boundary differs from the same product on a 64-byte-aligned copy by ~1e-7). Every weight
 # this forward reads starts on a multiple of ALIGN_BYTES, as the streamed target's slots
-# do (target/layer_index.py), so both targets run the very same kernels on the same bits.
+# do (targets/layer_index.py), so both targets run the very same kernels on the same bits.
 ALIGN_BYTES = 64
 
 
@@ -84,7 +84,7 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes. A weight
-    that is not a plain tensor (a packed int8/int4 one, target/quantized.py) brings its own kernel."""
+    that is not a plain tensor (a packed int8/int4 one, targets/quantized.py) brings its own kernel."""
     if isinstance(w_t, torch.Tensor):
         return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
     return w_t.mm(x, bias)
@@ -202,12 +202,12 @@ class LlamaFamilyForward:
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask=None,
                 causal: bool = False) -> torch.Tensor:
         """SDPA over the cached keys and values: the one place attention is computed, so a
-        target that changes the thread count around a pass (target/streamed.py) can keep
+        target that changes the thread count around a pass (targets/streamed.py) can keep
         this op on the count the resident target uses (its result depends on it)."""
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                               scale=self.scaling, enable_gqa=self.gqa)
 
-    # -- the hooks a target that keeps its weights elsewhere overrides (target/streamed.py):
+    # -- the hooks a target that keeps its weights elsewhere overrides (targets/streamed.py):
     # where the layers' weights come from, how token rows are embedded, the output head.
     def iter_layers(self):
         """The weights of each decoder layer in order, valid until the next one is asked for."""

@@ -1,0 +1,223 @@
+"""The Engine: one loaded model (a target and a tokenizer), who drafts for it, the pass
+costs every chat measures, and the background-compiled step. `loading.open()` makes one
+from a plan; `Engine.chat()` starts a conversation (session.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as _checkpoint
+from . import hardware, planner
+from .compile import exported, package_dirs
+from .compile import step as compiled
+from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
+from .errors import BadRequest, CheckpointError
+from .session import Chat
+from .speculative import DraftController, PassCosts
+from .targets.quantized import load_quantized
+from .targets.resident import ResidentTarget, checkpoint_dtype, load_resident
+
+DRAFTERS = ("auto", "ngram", "model", "none")
+DRAFTER_WEIGHTS = ("auto", "exact", "int8", "int4")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Engine:
+    def __init__(self, ckpt: _checkpoint.Checkpoint, tokenizer, target, drafter=None,
+                 max_draft: int = 8, draft_tokens: int | None = None):
+        self.checkpoint = ckpt
+        self.name = ckpt.name
+        self.tokenizer = tokenizer
+        self.target = target
+        self.device = target.device
+        self.dtype = target.dtype
+        self.stop_ids = _stop_ids(ckpt.path, tokenizer)
+        self.cache_owner: Chat | None = None
+        self.plan: planner.Plan | None = None   # the memory plan the model was loaded under
+        self.drafter = drafter or NgramDrafter()
+        self.max_draft = max_draft
+        self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
+        self.costs = PassCosts()               # measured by every chat, shared by all
+        self.compile_note = ""
+        self._compile_args: tuple[Path, bool] | None = None    # (cache root, build) once compiling is on
+
+    def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
+                    cache_dir: Path | None = None, fast: bool = True, weights: str = "auto") -> None:
+        """Choose who drafts: auto (model if `draft_model` is given, else ngram) | ngram | model | none.
+        A model drafter is loaded here and checked against the target's tokenizer.
+        draft_model "self": a quantized copy of the target drafts for it (when no small model
+        shares its tokenizer). weights: exact | int8 | int4 | auto (int4 for self, else exact)."""
+        _check_drafter(kind, draft_model, weights)
+        if kind == "none":
+            self.drafter = NoDrafter()
+        elif kind == "ngram" or (kind == "auto" and not draft_model):
+            self.drafter = NgramDrafter()
+        else:
+            self_draft = draft_model == "self"
+            dckpt = self.checkpoint if self_draft else _checkpoint.resolve(draft_model, cache_dir)
+            if weights == "auto":
+                weights = "int4" if self_draft else "exact"
+            if self_draft and weights == "exact":
+                raise BadRequest("--draft-model self with --drafter-weights exact drafts with the target itself "
+                                 "(as slow as plain decoding); use --drafter-weights int4 or int8")
+            dtok = self.tokenizer if self_draft else _load_tokenizer(dckpt.path)
+            check_compatible(self.tokenizer, dtok, self.name, dckpt.name)
+            if weights == "exact":
+                dtarget = load_resident(dckpt.path, self.device, _pick_dtype(dtype, self.device, dckpt.path),
+                                        fast=fast)
+            else:
+                # The drafter's activations need not match the target's: the target checks every
+                # token. bf16 where the device has it is what the int8/int4 kernels are fast at.
+                dtarget = load_quantized(dckpt.path, self.device, weights, cache_dir=cache_dir)
+            name = dckpt.name + ("" if weights == "exact" else f" ({weights})")
+            self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size, dckpt.path)
+        self.costs.new_drafter()
+        step = getattr(self.target, "compiled", None)
+        if step is not None:
+            # Compiling is on: the new drafter's step, and the verify buckets it fills.
+            step.want_rows(self._verify_rows())
+            self._compile_drafter(*self._compile_args)
+
+    def start_compile(self, cache_dir: Path | None = None, build: bool = True) -> bool:
+        """Compile the decode step of the target, then of a model drafter, in the
+        background (engine/compile/step.py). Resident targets with the fast forward can, exact
+        or quantized; streamed targets decode eagerly (`compile_note` says why).
+        build=False only loads steps an earlier start left in the cache."""
+        t = self.target
+        if not _compilable(t):
+            self.compile_note = f"the {_weights_label(t)} {t.kind} target decodes eagerly"
+            return False
+        root = cache_dir or _checkpoint.default_cache_dir()
+        self._compile_args = (root, build)
+        if t.compiled is None:
+            short, rows = _no_room_to_compile(t), self._verify_rows()
+            if short:
+                # Verify passes run on the forward's own weights: they need no room.
+                self.compile_note = f"the target decodes eagerly: {short}"
+                if not rows:
+                    return False
+            t.compiled = _compiled_step(t, self.name, self.dtype, self.checkpoint.path, root, self.device,
+                                        build=build, rows=rows, step=not short)
+            t.compiled.start()
+        self._compile_drafter(root, build)
+        return True
+
+    def _verify_rows(self) -> tuple[int, ...]:
+        """The verify-pass buckets worth compiling for this drafter: those a draft of up
+        to max_draft tokens fills (a wider bucket would mostly verify padding)."""
+        if self.drafter.kind == "none":
+            return ()
+        widest = (self.draft_tokens if self.draft_tokens is not None else self.max_draft) + 1
+        return tuple(r for r in exported.VERIFY_ROWS if r <= widest)
+
+    def _compile_drafter(self, root: Path, build: bool) -> None:
+        d = self.drafter
+        if d.kind == "model" and _compilable(d.target) and d.target.compiled is None \
+                and not _no_room_to_compile(d.target):
+            d.target.compiled = _compiled_step(d.target, d.name, d.target.dtype, d.path, root, self.device,
+                                               build=build)
+            d.target.compiled.start()
+
+    def new_controller(self) -> DraftController:
+        if self.drafter.kind == "none":
+            return DraftController(max_draft=0, fixed=0)
+        prior = self.costs.acceptance if self.costs.acceptance is not None else 0.5
+        return DraftController(max_draft=self.max_draft, fixed=self.draft_tokens, costs=self.costs,
+                               prior_acceptance=prior)
+
+    def chat(self, system: str | None = None) -> Chat:
+        return Chat(self, system)
+
+    def claim_cache(self, chat: Chat) -> None:
+        """One KV cache per engine: a chat that did not fill it last starts from empty."""
+        if self.cache_owner is not chat:
+            self.target.cache.rollback(0)
+            chat.cached_ids = []
+            self.cache_owner = chat
+
+    def describe(self) -> dict:
+        t = self.target
+        return {"model": self.name, "path": str(self.checkpoint.path), "device": str(self.device),
+                "dtype": str(self.dtype).replace("torch.", ""), "forward": t.kind,
+                "weights_bytes": t.weight_bytes(), "context_max": t.max_positions,
+                "drafter": self.drafter.kind if self.drafter.kind != "model" else f"model:{self.drafter.name}",
+                "draft_tokens": self.draft_tokens if self.draft_tokens is not None else "adaptive",
+                "profile": self.plan.chosen if self.plan else None,
+                "weights": _weights_label(t),
+                **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
+
+
+def _compilable(target) -> bool:
+    """A resident target (exact or quantized) running the fast forward: its weights are
+    fixed, so inductor can fold them into the graph."""
+    return isinstance(target, ResidentTarget) and target.kind == "fast"
+
+
+def _no_room_to_compile(target) -> str:
+    """Why memory is too short for a compiled step ("" when it is not). The step keeps a
+    copy of the weights of its own, repacked for its kernels, beside the eager forward's
+    (prefill runs eagerly, verify passes on the forward's weights): about the weights' size
+    again, in RAM on a CPU, on the device on a GPU."""
+    need = int(target.weight_bytes() * 1.1) + (256 << 20)
+    free = hardware.available_memory(target.device)
+    if free is None or free >= need:
+        return ""
+    return (f"a compiled step needs {need / 2**30:.1f} GiB more memory (its own copy of the weights) "
+            f"and {free / 2**30:.1f} GiB is free")
+
+
+def _compiled_step(target, name: str, dtype, path, root: Path, device, **kw) -> compiled.CompiledStep:
+    """The compiled step of `target` (model `name`, weights at `path`), kept in its
+    package directory under `root` (engine/compile/package_dirs.py)."""
+    weights = _weights_label(target)
+    stamp = package_dirs.weights_stamp(path) if path else ""
+    return compiled.CompiledStep(target, root, package_dirs.cache_key(name, dtype, weights, device, stamp),
+                                 lineage=package_dirs.lineage(name, dtype, weights, device), **kw)
+
+
+def _weights_label(target) -> str:
+    quant = getattr(target, "quant", None)
+    if quant is None:
+        return "exact"
+    return quant.weights + (f" g{quant.group_size}" if quant.group_size else "")
+
+
+def _check_drafter(kind: str, draft_model: str | None, weights: str = "auto") -> None:
+    if kind not in DRAFTERS:
+        raise BadRequest(f"--drafter {kind}: use one of {', '.join(DRAFTERS)}")
+    if weights not in DRAFTER_WEIGHTS:
+        raise BadRequest(f"--drafter-weights {weights}: use one of {', '.join(DRAFTER_WEIGHTS)}")
+    if kind == "model" and not draft_model:
+        raise BadRequest("--drafter model needs --draft-model PATH_OR_REPO")
+
+
+def _pick_dtype(dtype: str | None, dev, path: Path):
+    if dtype in (None, "auto"):
+        return hardware.default_dtype(dev, checkpoint_dtype(path))
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise BadRequest(f"--dtype {dtype}: use float32, bfloat16 or float16")
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
+
+
+def _stop_ids(path: Path, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except Exception:
+        pass   # no generation_config.json: the tokenizer's EOS is enough
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,141 @@
+"""What localchat's commands share: exit codes, the one-line error, the flags that choose
+a model and sampling, settings merged from the config and the flags and checked, and
+opening the engine. cli.py dispatches to the commands; they all import this, never cli.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input, 130 interrupted."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import fields, replace
+
+from . import config as config_mod
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that say which model runs and how: shared by chat, one-shot and bench."""
+    p.add_argument("--model", "-m", metavar="PATH_OR_REPO",
+                   help="model directory, .gguf file or Hugging Face repo id (default: the demo model)")
+    p.add_argument("--device", metavar="DEV", help="cpu, cuda, cuda:1, mps (default: auto)")
+    p.add_argument("--vram", metavar="SIZE",
+                   help="memory the engine may use on the device, e.g. 8GiB (default: what is free)")
+    p.add_argument("--ram", metavar="SIZE",
+                   help="host RAM the engine may hold for streamed layers, e.g. 32GiB (default: what is available)")
+    p.add_argument("--profile", metavar="NAME",
+                   help="how to run the model: auto (default: the best that fits), resident-exact, resident-int8, "
+                        "resident-int4, streamed-exact")
+    p.add_argument("--context", type=int, metavar="N",
+                   help="tokens of conversation to plan memory for (default: 4096 when streaming)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
+    p.add_argument("--compile", choices=["auto", "on", "off"],
+                   help="compile the decode step in the background and switch to it when ready (resident exact "
+                        "weights); auto (default) = in the chat UI, where a session lasts long enough to gain")
+    spec = p.add_argument_group("speculative decoding (never changes the answer)")
+    spec.add_argument("--drafter", choices=["auto", "ngram", "model", "none"],
+                      help="who proposes tokens: ngram (prompt lookup, free), model (--draft-model), none; "
+                           "auto = model if --draft-model is given, else ngram")
+    spec.add_argument("--draft-model", metavar="PATH_OR_REPO",
+                      help="a small model with the same tokenizer as --model, used as the drafter; "
+                           "'self' = a quantized copy of the target")
+    spec.add_argument("--drafter-weights", choices=["auto", "exact", "int8", "int4"],
+                      help="the drafter model's weights (default auto: int4 for --draft-model self, else exact)")
+    spec.add_argument("--draft-tokens", type=int, metavar="K",
+                      help="draft exactly K tokens per round (default: adapt K to measured acceptance and costs)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", "-s", metavar="TEXT", help="system message")
+    p.add_argument("--max-tokens", "-n", type=int, metavar="N", help="most tokens to generate (default 1024)")
+    p.add_argument("--temperature", "-t", type=float, metavar="T", help="0 = greedy (default), higher = more random")
+    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass, (0, 1]")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, metavar="N", help="random seed for sampling")
+
+
+def settings_from(args: argparse.Namespace, base: config_mod.Settings) -> config_mod.Settings:
+    """Flags given on the command line override the configured settings."""
+    names = [f.name for f in fields(config_mod.Settings)]
+    flags = {name: getattr(args, name, None) for name in names}
+    return replace(base, **{k: v for k, v in flags.items() if v is not None})
+
+
+def check_flags(s: config_mod.Settings) -> str | None:
+    from engine.sampling import check as check_sampling
+    if s.max_tokens <= 0:
+        return f"--max-tokens {s.max_tokens}: must be at least 1"
+    problem = check_sampling(s.temperature, s.top_p, s.top_k, s.seed)
+    if problem:
+        return problem
+    from engine.errors import BadRequest
+    from engine.hardware import parse_size
+    for flag, size in (("--vram", s.vram), ("--ram", s.ram)):
+        try:
+            if size is not None and parse_size(size, flag) <= 0:
+                return f"{flag} {size}: must be more than 0"
+        except BadRequest as exc:
+            return str(exc)
+    if s.draft_tokens is not None and not 0 <= s.draft_tokens <= 64:
+        return f"--draft-tokens {s.draft_tokens}: must be between 0 and 64"
+    if s.context is not None and s.context < 16:
+        return f"--context {s.context}: must be at least 16 tokens"
+    if s.compile not in ("auto", "on", "off"):
+        return f"compile = {s.compile!r}: choose auto, on or off"
+    if s.drafter == "model" and not s.draft_model:
+        return "--drafter model needs --draft-model PATH_OR_REPO"
+    return None
+
+
+def error(msg: str) -> None:
+    print(f"localchat: {msg}", file=sys.stderr)
+
+
+def quiet_libraries() -> None:
+    """Library chatter (transformers' warnings, progress bars) is not for our users' stderr."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import warnings
+    warnings.filterwarnings("ignore", module="transformers")
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+
+
+def load_settings(args: argparse.Namespace) -> config_mod.Settings | None:
+    """Config file and environment, then flags; None (after saying why) if a flag is bad."""
+    base, warnings = config_mod.load()
+    for w in warnings:
+        error(w)
+    settings = settings_from(args, base)
+    problem = check_flags(settings)
+    if problem:
+        error(problem)
+        return None
+    return settings
+
+
+def compile_mode(settings: config_mod.Settings, interactive: bool) -> str:
+    """--compile auto compiles for the chat UI, whose sessions last long enough to gain
+    from it. A one-shot answer decodes eagerly: it would not live to use a build, and even
+    loading a step an earlier start built costs more than it gains unless the answer is
+    long. Measured on the demo model, float32, 128 tokens (benchmarks/oneshot_start.py):
+    the load during the answer pushed the first token from 0.14 to 0.55 s and stalled the
+    stream for 1.1 s, and the answer took 6.6 s against 5.5 s eager; it pays after about
+    250-300 tokens. --compile on asks for it anyway."""
+    if settings.compile == "auto":
+        return "auto" if interactive else "off"
+    return settings.compile
+
+
+def open_engine(settings: config_mod.Settings, progress=None, compile: str = "off"):
+    """The engine for these settings; `progress(what, done, total)` hears about loading
+    where the engine reports it (streamed layers). compile: what `--compile` resolves to
+    for this kind of run (the chat UI compiles on auto; a one-shot answer does not wait)."""
+    import engine
+    return engine.open(settings.model, device=settings.device, dtype=settings.dtype, drafter=settings.drafter,
+                       draft_model=settings.draft_model, draft_tokens=settings.draft_tokens,
+                       drafter_weights=settings.drafter_weights, profile_dir=config_mod.config_dir() / "profiles",
+                       memory_budget=settings.vram, host_memory=settings.ram, profile=settings.profile,
+                       context=settings.context, progress=progress, compile=compile)
