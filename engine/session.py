@@ -117,7 +117,7 @@ class Chat:
         self.messages.append(answer)
         try:
             rendered = self._prompt()
-            room = self.engine.targets.cache.max_positions
+            room = self.engine.target.cache.max_positions
             if len(rendered[0]) >= room:    # the answer needs at least one position more
                 raise BadRequest(f"the conversation is {len(rendered[0])} tokens and the model's context holds "
                                  f"{room}; shorten the prompt or start a new chat")

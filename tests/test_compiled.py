@@ -42,7 +42,7 @@ def compiled_engine(tiny_llama, compile_cache):
 
 def test_compiled_step_gives_the_eager_tokens(compiled_engine, eager_ids):
     ids, stats = answer(compiled_engine)
-    assert compiled_engine.targets.compiled.state == "ready"
+    assert compiled_engine.target.compiled.state == "ready"
     assert stats.compile_state == "ready"
     assert ids == eager_ids
     # The compiled logits are the eager ones up to float32 rounding (other kernels, same sums).
@@ -61,8 +61,8 @@ def test_a_second_start_loads_the_package_and_switches_mid_answer(compiled_engin
     # The first engine left its package on disk; a second start of the same model loads
     # it instead of compiling. Started after the answer's first token, it goes live
     # between two tokens, and the text is the eager one.
-    assert compiled_engine.targets.compiled.source == "built"
-    assert compiled_engine.targets.compiled.built_in == "child"     # built by a child process (engine/compile/builder.py)
+    assert compiled_engine.target.compiled.source == "built"
+    assert compiled_engine.target.compiled.built_in == "child"     # built by a child process (engine/compile/builder.py)
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", cache_dir=compile_cache)
     chat = eng.chat()
     events = chat.send(PROMPT, max_new_tokens=40)
@@ -95,7 +95,7 @@ def test_doctor_shows_the_built_steps_and_their_size(compiled_engine, tiny_llama
     run = lambda *a: subprocess.run([sys.executable, "-m", "localchat", "doctor", "--model", str(tiny_llama), *a],
                                     capture_output=True, timeout=300, env=env)   # noqa: E731
     out = json.loads(run("--json").stdout)
-    package = compiled_engine.targets.compiled.package
+    package = compiled_engine.target.compiled.package
     assert {"path": str(package), "bytes": package.stat().st_size} in out["compiled_steps"]
     text = run().stdout.decode()
     assert "Compiled decode steps:" in text and str(package.parent.parent) in text
@@ -148,7 +148,7 @@ def test_compiled_verify_passes_keep_the_greedy_tokens(verify_engine, eager_ids)
 def test_a_second_start_loads_the_verify_passes_and_drops_a_corrupt_one(verify_engine, tiny_llama, compile_cache,
                                                                         tmp_path):
     import shutil
-    step = verify_engine.targets.compiled
+    step = verify_engine.target.compiled
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="ngram", max_draft=3, compile="cached",
                       cache_dir=compile_cache)
     again = eng.target.compiled
@@ -185,7 +185,7 @@ class EvenRace(compiled.CompiledStep):
 
 
 def test_a_verify_bucket_that_is_not_faster_stays_eager(verify_engine, tiny_llama, compile_cache):
-    key = verify_engine.targets.compiled.cache_dir.name
+    key = verify_engine.target.compiled.cache_dir.name
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="ngram", max_draft=3, cache_dir=compile_cache)
     step = eng.target.compiled = EvenRace(eng.target, compile_cache, key, build=False, rows=(2, 4))
     step.start()
@@ -206,7 +206,7 @@ def test_a_compile_thread_waiting_for_an_answer_holds_no_openmp_team(verify_engi
     hold an OpenMP team: a second team makes libgomp sleep between the parallel regions of
     the thread that decodes. Counted in OS threads: the waiting worker is one, and when it
     has ended there is one fewer (a team would be one or more besides)."""
-    key = verify_engine.targets.compiled.cache_dir.name
+    key = verify_engine.target.compiled.cache_dir.name
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="ngram", max_draft=3, cache_dir=compile_cache)
     torch.randn(256, 256) @ torch.randn(256, 256)           # this thread's own team, as a decoding thread has
 
@@ -272,7 +272,7 @@ def _unloaded(tiny_llama, cache_dir, key):
 
 def test_a_corrupt_or_stale_package_is_deleted_not_run(compiled_engine, tiny_llama, tokenizer, tmp_path):
     import shutil
-    good = compiled_engine.targets.compiled.package
+    good = compiled_engine.target.compiled.package
     # Bytes that are no package: the load fails, the file goes, and the step is built again.
     step = _unloaded(tiny_llama, tmp_path, "corrupt")
     step.package.parent.mkdir(parents=True)
@@ -298,7 +298,7 @@ def test_a_step_that_fails_at_run_time_falls_back_to_eager(compiled_engine, eage
     # A torch.compile step whose guards would fail, a package that raises: the answer goes
     # on eagerly (the failed step may have written this position's keys; the eager step
     # writes them again), and the step stays off.
-    step = compiled_engine.targets.compiled
+    step = compiled_engine.target.compiled
 
     def would_recompile(*args):
         raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
@@ -437,6 +437,6 @@ def test_every_step_compiles_its_own_code_object():
 
 def test_a_used_package_dir_is_marked_with_what_it_is_for(compiled_engine):
     from engine.compile import package_dirs
-    step = compiled_engine.targets.compiled
+    step = compiled_engine.target.compiled
     assert package_dirs.lineage_of(step.cache_dir) == step.lineage
     assert step.lineage == f"{compiled_engine.name}|float32|exact|cpu"

@@ -32,7 +32,7 @@ def reference(demo_engine):
 
 
 def test_demo_runs_the_fast_forward_in_float32(demo_engine):
-    assert demo_engine.targets.kind == "fast"
+    assert demo_engine.target.kind == "fast"
     assert demo_engine.dtype == torch.float32       # a dequantized GGUF is exact in float32
 
 
