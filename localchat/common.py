@@ -105,6 +105,7 @@ def quiet_libraries() -> None:
 
 def load_settings(args: argparse.Namespace) -> config_mod.Settings | None:
     """Config file and environment, then flags; None (after saying why) if a flag is bad."""
+    quiet_libraries()          # before check_flags imports the engine (and with it transformers)
     base, warnings = config_mod.load()
     for w in warnings:
         error(w)
