@@ -59,11 +59,75 @@ class KVCache:
             raise ValueError(f"rollback to {length} outside [0, {self.length}]")
         self.length = length
 
+    def restorable(self, length: int) -> int:
+        """The longest prefix of at most `length` tokens this cache can go back to: any, for
+        keys and values indexed by position (RecurrentCache is not so free)."""
+        return min(length, self.length)
+
+    def checkpoint(self) -> None:
+        """A turn boundary was committed (nothing to keep for a position-indexed cache)."""
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+class RecurrentCache(KVCache):
+    """A hybrid model's cache: position-indexed keys and values for its attention layers (as
+    KVCache, `layers` counts only those), plus, per linear-attention layer, a state of fixed
+    size (a conv window and a recurrent state, float32 even in a bf16 model) that has seen
+    every token so far and cannot be moved back to an earlier position.
+
+    So a rollback can only go to where a copy of the state was kept: the last turn boundary
+    (`checkpoint()`, one copy per layer, taken after a prompt is prefilled) or the start.
+    `restorable(n)` says which: a next turn that shares less than the whole cached prefix
+    restores the checkpoint if it still covers the shared part, else prefills from scratch.
+    It never continues from a state that has seen tokens the conversation no longer holds.
+
+    `states` are the linear layers' holders (engine/models/hf_forward.py): each can
+    `snapshot()`, `restore(snap)` and `reset()`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.states: list = []
+        self._checkpoint: tuple[int, list] | None = None
+
+    def restorable(self, length: int) -> int:
+        if length >= self.length:
+            return self.length
+        if self._checkpoint is not None and self._checkpoint[0] <= length:
+            return self._checkpoint[0]
+        return 0
+
+    def rollback(self, length: int) -> None:
+        if length == self.length:
+            return
+        if not 0 <= length < self.length:
+            raise ValueError(f"rollback to {length} outside [0, {self.length}]")
+        if self._checkpoint is not None and self._checkpoint[0] == length:
+            for state, snap in zip(self.states, self._checkpoint[1]):
+                state.restore(snap)
+        elif length == 0:
+            for state in self.states:
+                state.reset()
+            self._checkpoint = None
+        else:
+            raise ValueError(f"a recurrent state cannot go back to position {length} (it holds {self.length}; "
+                             f"restorable: {self.restorable(length)})")
+        super().rollback(length)
+
+    def checkpoint(self) -> None:
+        self._checkpoint = (self.length, [state.snapshot() for state in self.states])
+
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent states and of the one checkpoint kept of them."""
+        live = sum(state.nbytes() for state in self.states)
+        return live * (2 if self._checkpoint is not None else 1)
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.state_bytes()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

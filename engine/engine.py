@@ -12,6 +12,7 @@ from . import hardware, planner
 from .compile import exported, package_dirs
 from .compile import step as compiled
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
+from .cache import RecurrentCache
 from .errors import BadRequest, CheckpointError
 from .session import Chat
 from .speculative import DraftController, PassCosts
@@ -42,6 +43,7 @@ class Engine:
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
         self.costs = PassCosts()               # measured by every chat, shared by all
         self.compile_note = ""
+        self.drafter_note = ""                 # why the drafter is not the one asked for
         self._compile_args: tuple[Path, bool] | None = None    # (cache root, build) once compiling is on
 
     def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
@@ -51,6 +53,13 @@ class Engine:
         draft_model "self": a quantized copy of the target drafts for it (when no small model
         shares its tokenizer). weights: exact | int8 | int4 | auto (int4 for self, else exact)."""
         _check_drafter(kind, draft_model, weights)
+        self.drafter_note = ""
+        if kind != "none" and isinstance(self.target.cache, RecurrentCache):
+            # A rejected draft would need the recurrent state rolled back, which this cache
+            # can only do to a turn boundary; replaying the accepted updates is the next step.
+            self.drafter_note = ("a hybrid model (recurrent layers) decodes without a drafter until "
+                                 "speculation replays its state")
+            kind = "none"
         if kind == "none":
             self.drafter = NoDrafter()
         elif kind == "ngram" or (kind == "auto" and not draft_model):
@@ -146,7 +155,7 @@ class Engine:
                 "drafter": self.drafter.kind if self.drafter.kind != "model" else f"model:{self.drafter.name}",
                 "draft_tokens": self.draft_tokens if self.draft_tokens is not None else "adaptive",
                 "profile": self.plan.chosen if self.plan else None,
-                "weights": _weights_label(t),
+                "weights": _weights_label(t), "drafter_note": self.drafter_note,
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
 
 

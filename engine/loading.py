@@ -121,6 +121,14 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     if forced and forced not in names:
         raise BadRequest(f"--profile {forced}: no such profile (have: auto, {', '.join(names)})")
     can = runnable(every)
+    if shape.state_bytes:
+        # A hybrid (recurrent layers) runs through transformers' own layers over our cache:
+        # resident with its exact weights; the quantized and streamed targets run the
+        # Llama-family forward only.
+        can = tuple(p.name for p in every if p.name in can and (p.placement, p.weights) == ("resident", "exact"))
+        if forced and forced not in can:
+            raise BadRequest(f"--profile {forced}: {ckpt.name} is a hybrid model (linear-attention layers), which "
+                             f"runs resident with its exact weights in this version: use {', '.join(can)} or auto")
     if forced and forced not in can:
         raise BadRequest(f"--profile {forced}: this version runs {', '.join(can)}; use one of those or auto")
     # tok/s bounds (and a streamed pass's compute time) from this machine's measured read rate

@@ -44,6 +44,9 @@ class ModelShape:
     other_params: int           # embeddings, head, norms: kept exact
     tied_embeddings: bool
     attention_layers: int
+    # A hybrid's linear-attention layers: bytes of their conv windows and recurrent states
+    # for one conversation (fixed, not per token); the cache keeps one checkpoint copy too.
+    state_bytes: int = 0
 
     @property
     def params(self) -> int:
@@ -92,9 +95,10 @@ class ModelShape:
         other = vocab * hidden * (1 if tied else 2) + hidden + layers * (norms + bias)
         dt = dtype_bytes or _dtype_bytes(text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype"))
         types = text.get("layer_types") or []
-        attn = sum(1 for t in types if "attention" in t) if types else layers
+        # KV per token: attention layers only; a hybrid's linear_attention layers keep a fixed state
+        attn = sum(1 for t in types if "attention" in t and "linear" not in t) if types else layers
         return cls(name or text.get("model_type", "model"), layers, hidden, heads, kv, hd, inter, vocab, dt,
-                   layers * per_layer, other, tied, attn or layers)
+                   layers * per_layer, other, tied, attn or layers, _state_bytes(text, types, dt))
 
     @classmethod
     def from_checkpoint(cls, path: Path, name: str = "") -> "ModelShape":
@@ -119,7 +123,21 @@ class ModelShape:
                 other += n
         return cls(shape.name, shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                    shape.intermediate, shape.vocab, dt, linear, other, shape.tied_embeddings,
-                   shape.attention_layers)
+                   shape.attention_layers, shape.state_bytes)
+
+
+def _state_bytes(text: dict, types: list, dtype_bytes: int) -> int:
+    """The gated delta-net state of one conversation (Qwen3.5, Qwen3-Next): per linear layer
+    a conv window of the last K pre-conv q/k/v columns, conv_dim = 2 x key heads x key dim +
+    value heads x value dim, in the model's dtype; and a recurrent state of value heads x
+    key dim x value dim in float32 (even in a bf16 model)."""
+    linear = sum(1 for t in types if t == "linear_attention")
+    if not linear:
+        return 0
+    kh, kd = text.get("linear_num_key_heads", 0), text.get("linear_key_head_dim", 0)
+    vh, vd = text.get("linear_num_value_heads", 0), text.get("linear_value_head_dim", 0)
+    conv = (2 * kh * kd + vh * vd) * text.get("linear_conv_kernel_dim", 4) * dtype_bytes
+    return linear * (conv + vh * kd * vd * 4)
 
 
 def _dtype_bytes(name) -> int:
@@ -241,7 +259,10 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     # A fixed margin suits a GPU; a small --vram budget (a CPU "device" in tests, a small
     # card) keeps a tenth of itself free instead of more than it has.
     margin = min(p.margin_mib * 2**20, budget // 10)
-    kv = kv_tok * context
+    # A hybrid's recurrent states (live + the one turn checkpoint) count with the KV cache:
+    # per conversation, not per token.
+    state = 2 * shape.state_bytes
+    kv = kv_tok * context + state
     fixed = runtime + kv + act + draft_bytes + margin
     weights = shape.weight_bytes(p.weights, p.group_size)
     resident, host, disk, streamed = shape.layers, 0, 0, 0
@@ -258,7 +279,7 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
             note = f"needs at least {gb(fixed + place.min_budget)}"
     total = fixed + weights
     fits = total <= budget
-    spare = budget - (total - kv)
+    spare = budget - (total - kv) - state
     max_context = max(0, spare // kv_tok) if kv_tok else 0
     device_bw = bw.get(kind, bw["cpu"])
     if p.placement == "resident":

@@ -141,11 +141,15 @@ class Chat:
             keep = common_prefix(self.cached_ids, prompt)
             if keep == len(prompt):
                 keep -= 1          # at least one token must run to get the next logits
+            # A recurrent state goes back only to a kept checkpoint or to the start
+            # (engine.cache.RecurrentCache); a position-indexed cache to any length.
+            keep = target.cache.restorable(keep)
             target.cache.rollback(keep)
             self.cached_ids = self.cached_ids[:keep]
             tracker = StatsTracker(target, len(prompt), len(prompt) - keep)
             first = decoding.prefill(target, prompt[keep:])
             self.cached_ids = list(prompt)
+            target.cache.checkpoint()      # the turn boundary a re-rendered next turn can restore
             tracker.prefill_done()
             gen = make_generator(params, target.device)
             passes = speculative.generate(target, eng.drafter, self.controller, self.cached_ids, first, params, gen,

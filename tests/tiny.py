@@ -54,6 +54,19 @@ def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2,
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **common))
+    elif kind in ("qwen3_5", "qwen3_next"):
+        # Hybrids: gated delta-net (linear attention) layers and one full-attention layer in
+        # four (config.layer_types), small enough for a CPU; Qwen3-Next with a few experts.
+        linear = dict(head_dim=hidden // 4, linear_num_value_heads=4, linear_num_key_heads=2,
+                      linear_key_head_dim=hidden // 4, linear_value_head_dim=hidden // 4)
+        if kind == "qwen3_5":
+            from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+            model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**linear, **common))
+        else:
+            from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+            model = Qwen3NextForCausalLM(Qwen3NextConfig(**linear, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden,
+                                                         **common))
     else:
         raise ValueError(kind)
     # Random init at std 0.02 gives near-uniform logits; a wider spread makes the

@@ -6,7 +6,7 @@ transformers `Cache`, so the model writes into it at the committed position."""
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..cache import KVCache
 
@@ -35,11 +35,68 @@ class _PositionLayer(DynamicLayer):
             self.kv.rollback(self.kv.length - abs(tokens_to_remove))
 
 
+class LinearState:
+    """One linear-attention layer's state (transformers' LinearAttentionLayer, which the
+    model's own forward updates in place), as engine.cache.RecurrentCache handles it."""
+
+    def __init__(self, layer: LinearAttentionLayer):
+        self.layer = layer
+
+    # The states are inference tensors (the forward runs in inference mode): they are
+    # copied and written back in that mode too.
+    @torch.inference_mode()
+    def snapshot(self):
+        lay = self.layer
+        if not lay.has_previous_state[0]:
+            return None
+        return (lay.conv_states[0].clone(), lay.recurrent_states[0].clone())
+
+    @torch.inference_mode()
+    def restore(self, snap) -> None:
+        lay = self.layer
+        if snap is None:
+            self.reset()
+            return
+        # copy_ into the tensors the layer holds: they keep their address (a captured graph
+        # or a compiled step may point at them)
+        lay.conv_states[0].copy_(snap[0])
+        lay.recurrent_states[0].copy_(snap[1])
+        lay.has_previous_state[0] = True
+
+    def reset(self) -> None:
+        # The next pass is a prefill: transformers pads the conv window and starts the
+        # recurrence from zeros when the layer says it has no previous state.
+        self.layer.has_previous_state[0] = False
+
+    def nbytes(self) -> int:
+        lay = self.layer
+        return sum(t.numel() * t.element_size() for t in (lay.conv_states[0], lay.recurrent_states[0])
+                   if t is not None)
+
+
+def layer_kinds(config) -> list[str]:
+    """'attention' or 'linear' for each decoder layer (config.layer_types where it has them)."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return ["linear" if t == "linear_attention" else "attention" for t in types]
+
+
 class HFForward:
     def __init__(self, model, cache: KVCache):
         self.model = model
         self.cache = cache
-        self.hf_cache = Cache(layers=[_PositionLayer(cache, i) for i in range(cache.layers)])
+        layers, kv = [], 0
+        for kind in layer_kinds(model.config):
+            if kind == "linear":
+                layers.append(LinearAttentionLayer())
+            else:
+                layers.append(_PositionLayer(cache, kv))
+                kv += 1
+        if kv != cache.layers:
+            raise ValueError(f"the cache holds {cache.layers} attention layers, the model has {kv}")
+        linear = [LinearState(layer) for layer in layers if isinstance(layer, LinearAttentionLayer)]
+        if linear:
+            cache.states = linear                  # an engine.cache.RecurrentCache rolls them back
+        self.hf_cache = Cache(layers=layers)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         seen, out = set(), []

@@ -47,6 +47,8 @@ def can_run(model) -> str | None:
     if cfg.model_type not in SUPPORTED:
         return f"model_type {cfg.model_type}"
     types = getattr(cfg, "layer_types", None) or []
+    if "linear_attention" in types:
+        return "linear-attention layers (a hybrid model)"
     if any(t != "full_attention" for t in types):
         return "sliding-window layers"
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \

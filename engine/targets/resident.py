@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache import KVCache
+from ..cache import KVCache, RecurrentCache
 from ..errors import CheckpointError, UnsupportedModel
 from ..models import hf_forward, llama_family
 
@@ -47,8 +47,12 @@ class ResidentTarget:
         self.vocab_size = cfg.vocab_size
         self.max_positions = max_positions or getattr(cfg, "max_position_embeddings", None) or 1 << 20
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, device,
-                             capacity=min(cache_capacity, self.max_positions), max_positions=self.max_positions)
+        kinds = hf_forward.layer_kinds(cfg)
+        # A hybrid keeps keys and values for its attention layers only (a quarter of them in
+        # Qwen3.5/Qwen3-Next); its linear layers' states go in the same cache object.
+        kind = RecurrentCache if "linear" in kinds else KVCache
+        self.cache = kind(kinds.count("attention"), cfg.num_key_value_heads, head_dim, dtype, device,
+                          capacity=min(cache_capacity, self.max_positions), max_positions=self.max_positions)
 
     @torch.inference_mode()
     def forward(self, ids, all_logits: bool = False) -> torch.Tensor:
@@ -121,9 +125,9 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_pretrained(
+            model, info = AutoModelForCausalLM.from_pretrained(
                 path, config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False,
-                attn_implementation="sdpa")
+                attn_implementation="sdpa", output_loading_info=True)
     except ValueError as exc:
         if "Unrecognized configuration" in str(exc) or "does not support" in str(exc):
             raise UnsupportedModel(f"{path}: {config.model_type!r} is not a causal language model "
@@ -132,6 +136,12 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
     except (OSError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: cannot load the weights ({str(exc).splitlines()[0]}); "
                               "re-download the model") from None
+    # transformers fills a tensor missing from the files with random numbers and only logs it
+    missing = [k for k in info.get("missing_keys", ()) if not (k == "lm_head.weight" and
+                                                              getattr(config, "tie_word_embeddings", False))]
+    if missing or info.get("mismatched_keys"):
+        what = f"tensor {missing[0]} is missing" if missing else f"tensor {info['mismatched_keys'][0]} has the wrong shape"
+        raise CheckpointError(f"{path}: {what} in the weight files; re-download the model")
     model.to(device).eval()
     target = ResidentTarget(model, device, dtype, fast=fast)
     # How to load this target again (a compile builds its package in a child process: engine/compile/builder.py).
