@@ -73,6 +73,10 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
                             plan_profiles, dtype_given=dtype not in (None, "auto"))
     tokenizer = _load_tokenizer(ckpt.path)
     prof = profiles.find(plan_profiles, plan.chosen)
+    if (prof.placement, prof.weights) != ("resident", "exact"):
+        # The streamed and quantized targets read tensors by name from the files; the
+        # resident loader checks what transformers loaded (its load report) instead.
+        _checkpoint.check_tensors(ckpt.path)
     if prof.placement == "streamed":
         row = plan.row(plan.chosen)
         target = load_streamed(ckpt.path, dev, dt, weight_budget=row.budget - (row.total - row.weights),
@@ -113,7 +117,6 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     max_pos = int(cfg.get("max_position_embeddings") or 8192)
     shape = _replace(planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name),
                      dtype_bytes=torch.finfo(dt).bits // 8)
-    _checkpoint.check_tensors(ckpt.path)
     hw = hardware.detect(cache_dir, vram=memory_budget, ram=host_memory, device=str(dev))
     every = every or profiles.builtin()
     names = [p.name for p in every]

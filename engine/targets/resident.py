@@ -128,12 +128,12 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False,
                 attn_implementation="sdpa", output_loading_info=True)
-    except ValueError as exc:
-        if "Unrecognized configuration" in str(exc) or "does not support" in str(exc):
+    except (ValueError, OSError, RuntimeError) as exc:
+        if isinstance(exc, ValueError) and ("Unrecognized configuration" in str(exc) or "does not support" in str(exc)):
             raise UnsupportedModel(f"{path}: {config.model_type!r} is not a causal language model "
                                    "transformers can load; pick another model") from None
-        raise CheckpointError(f"{path}: cannot load the weights ({exc}); re-download the model") from None
-    except (OSError, RuntimeError) as exc:
+        from ..checkpoint import check_tensors
+        check_tensors(path)        # names the tensor that does not match its config, where it can
         raise CheckpointError(f"{path}: cannot load the weights ({str(exc).splitlines()[0]}); "
                               "re-download the model") from None
     # transformers fills a tensor missing from the files with random numbers and only logs it
