@@ -144,3 +144,19 @@ def test_hybrids_run_resident_exact_and_other_profiles_say_why(hybrid):
         engine.open(str(hybrid), profile="resident-int8")
     with pytest.raises(engine.BadRequest, match="does not fit"):
         engine.open(str(hybrid), memory_budget="200KB")     # exact does not fit: nothing else is offered
+
+
+def test_a_published_qwen3_5_checkpoint_runs_its_language_model_only(tmp_path, tokenizer):
+    """Hub checkpoints are Qwen3_5ForConditionalGeneration with a vision tower: the
+    language model is loaded (transformers maps model.language_model.*), the vision
+    weights are not, and it answers as generate() does."""
+    from transformers import AutoModelForCausalLM
+    path = build_model(tmp_path / "qwen3_5_vl", "qwen3_5_vl", layers=4, tokenizer=tokenizer, seed=4)
+    eng = engine.open(str(path), drafter="none")
+    model = eng.target.impl.model
+    assert not any("visual" in name for name, _ in model.named_parameters())
+    assert isinstance(eng.target.cache, RecurrentCache)
+    done = list(eng.chat().send("Why is the sky blue?", max_new_tokens=24))[-1]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = _generate(ref, render_prompt(eng.tokenizer, [{"role": "user", "content": "Why is the sky blue?"}]), 24)
+    assert list(done.token_ids) == want[:len(done.token_ids)]

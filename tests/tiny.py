@@ -54,6 +54,15 @@ def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2,
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **common))
+    elif kind == "qwen3_5_vl":
+        # Qwen3.5 as published: Qwen3_5ForConditionalGeneration, a vision tower beside the
+        # language model (model.language_model.*, model.visual.*), its numbers in text_config.
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+        text = dict(common, head_dim=hidden // 4, linear_num_value_heads=4, linear_num_key_heads=2,
+                    linear_key_head_dim=hidden // 4, linear_value_head_dim=hidden // 4)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden)
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision,
+                                                              tie_word_embeddings=tie))
     elif kind in ("qwen3_5", "qwen3_next"):
         # Hybrids: gated delta-net (linear attention) layers and one full-attention layer in
         # four (config.layer_types), small enough for a CPU; Qwen3-Next with a few experts.
