@@ -20,9 +20,13 @@ RUNNABLE = ("resident-exact", "resident-int8", "resident-int4", "streamed-exact"
 RUNNABLE_KINDS = {("resident", "exact"), ("resident", "int8"), ("resident", "int4"), ("streamed", "exact")}
 
 
-def runnable(profile_list) -> tuple[str, ...]:
-    """Names of the profiles (built-in or a user's) this engine has a target for."""
-    return tuple(p.name for p in profile_list if (p.placement, p.weights) in RUNNABLE_KINDS)
+def runnable(profile_list, shape: planner.ModelShape | None = None) -> tuple[str, ...]:
+    """Names of the profiles (built-in or a user's) this engine has a target for, for this
+    model if `shape` is given: a hybrid (recurrent layers) runs through transformers' own
+    layers over our cache, resident with its exact weights; the quantized and streamed
+    targets run the Llama-family forward only."""
+    kinds = {("resident", "exact")} if shape is not None and shape.state_bytes else RUNNABLE_KINDS
+    return tuple(p.name for p in profile_list if (p.placement, p.weights) in kinds)
 
 
 def open(model: str | None = None, *, device: str = "auto", dtype: str | None = None,
@@ -123,12 +127,8 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     forced = profile if profile not in (None, "auto") else None
     if forced and forced not in names:
         raise BadRequest(f"--profile {forced}: no such profile (have: auto, {', '.join(names)})")
-    can = runnable(every)
+    can = runnable(every, shape)
     if shape.state_bytes:
-        # A hybrid (recurrent layers) runs through transformers' own layers over our cache:
-        # resident with its exact weights; the quantized and streamed targets run the
-        # Llama-family forward only.
-        can = tuple(p.name for p in every if p.name in can and (p.placement, p.weights) == ("resident", "exact"))
         if forced and forced not in can:
             raise BadRequest(f"--profile {forced}: {ckpt.name} is a hybrid model (linear-attention layers), which "
                              f"runs resident with its exact weights in this version: use {', '.join(can)} or auto")

@@ -107,7 +107,7 @@ def doctor_main(argv: list[str]) -> int:
         if args.measure:     # disk and host-to-device too (the streamed tiers); RAM is the read probe's
             bw.update({k: v for k, v in measure_bandwidth(checkpoint.default_cache_dir()).items() if k != "cpu"})
         plan = planner.make_plan(shape, hw, profs, context=args.context, drafter=draft, force=args.profile,
-                                 bandwidth=bw, runnable=engine.runnable(profs),
+                                 bandwidth=bw, runnable=engine.runnable(profs, shape),
                                  drafter_weights=dweights if draft else "exact",
                                  quant_act_bytes=torch.finfo(engine.quant_act_dtype(
                                      hardware.pick_device(hw.device))).bits // 8)
