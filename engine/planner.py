@@ -166,6 +166,7 @@ class PlanRow:
     streamed_bytes_per_pass: int
     tps_bound: float             # predicted decode tokens/s at one token per pass
     note: str = ""
+    state: int = 0               # a hybrid's recurrent states (live + the turn checkpoint): fixed, not per token
 
     @property
     def short_by(self) -> int:
@@ -262,8 +263,8 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     # A hybrid's recurrent states (live + the one turn checkpoint) count with the KV cache:
     # per conversation, not per token.
     state = 2 * shape.state_bytes
-    kv = kv_tok * context + state
-    fixed = runtime + kv + act + draft_bytes + margin
+    kv = kv_tok * context
+    fixed = runtime + kv + state + act + draft_bytes + margin
     weights = shape.weight_bytes(p.weights, p.group_size)
     resident, host, disk, streamed = shape.layers, 0, 0, 0
     note = ""
@@ -279,7 +280,7 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
             note = f"needs at least {gb(fixed + place.min_budget)}"
     total = fixed + weights
     fits = total <= budget
-    spare = budget - (total - kv) - state
+    spare = budget - (total - kv)
     max_context = max(0, spare // kv_tok) if kv_tok else 0
     device_bw = bw.get(kind, bw["cpu"])
     if p.placement == "resident":
@@ -289,7 +290,7 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
                    + place.host_streamed_bytes / bw["host_to_device"] + place.disk_streamed_bytes / bw["disk"])
     return PlanRow(p.name, p.summary, weights, kv, draft_bytes, act, runtime, margin, total, budget, fits,
                    context, int(max_context), resident, host, disk, streamed,
-                   1.0 / seconds if seconds > 0 else 0.0, note)
+                   1.0 / seconds if seconds > 0 else 0.0, note, state)
 
 
 def streamed_units(shape: ModelShape) -> tuple[list[int], int, int]:
@@ -410,12 +411,16 @@ def gb_apart(a: float, b: float) -> tuple[str, str]:
 
 
 def format_plan(plan: Plan) -> str:
-    head = (f"{'profile':<16} {'weights':>9} {'KV':>9} {'drafter':>8} {'act':>8} {'runtime':>8} {'margin':>7} "
+    # A hybrid's recurrent state is its own column (per conversation, not per token).
+    hybrid = any(r.state for r in plan.rows)
+    head = (f"{'profile':<16} {'weights':>9} {'KV':>9} " + (f"{'state':>9} " if hybrid else "")
+            + f"{'drafter':>8} {'act':>8} {'runtime':>8} {'margin':>7} "
             f"{'total':>9} {'budget':>9} {'fits':>4} {'streamed/pass':>13} {'tok/s ≤':>8}")
     lines = [head]
     for r in plan.rows:
         mark = "→ " if r.profile == plan.chosen else "  "
-        lines.append(f"{mark}{r.profile:<14} {gb(r.weights):>9} {gb(r.kv):>9} {gb(r.drafter):>8} "
+        state = f"{gb(r.state):>9} " if hybrid else ""
+        lines.append(f"{mark}{r.profile:<14} {gb(r.weights):>9} {gb(r.kv):>9} {state}{gb(r.drafter):>8} "
                      f"{gb(r.activations):>8} {gb(r.runtime):>8} {gb(r.margin):>7} {gb(r.total):>9} "
                      f"{gb(r.budget):>9} {'yes' if r.fits else 'no':>4} {gb(r.streamed_bytes_per_pass):>13} "
                      f"{r.tps_bound:>8.1f}")

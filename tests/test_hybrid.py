@@ -160,3 +160,17 @@ def test_a_published_qwen3_5_checkpoint_runs_its_language_model_only(tmp_path, t
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     want = _generate(ref, render_prompt(eng.tokenizer, [{"role": "user", "content": "Why is the sky blue?"}]), 24)
     assert list(done.token_ids) == want[:len(done.token_ids)]
+
+
+def test_doctor_shows_the_recurrent_state_as_its_own_column(hybrid):
+    """The planner's state figure is a column of its own in the doctor's table, and part of
+    each row's total (weights + KV + state + activations + runtime + margin)."""
+    from engine import hardware, planner, profiles
+    shape = ModelShape.from_checkpoint(hybrid)
+    hw = hardware.detect(vram="1GB", device="cpu")
+    plan = planner.make_plan(shape, hw, profiles.builtin(), context=256)
+    row = plan.row("resident-exact")
+    assert row.state == 2 * shape.state_bytes > 0
+    assert row.total == row.weights + row.kv + row.state + row.drafter + row.activations + row.runtime + row.margin
+    head, first = planner.format_plan(plan).splitlines()[:2]
+    assert head.split()[:4] == ["profile", "weights", "KV", "state"] and planner.gb(row.state) in first
