@@ -38,7 +38,8 @@ class Engine:
         self.stop_ids = _stop_ids(ckpt.path, tokenizer)
         self.cache_owner: Chat | None = None
         self.plan: planner.Plan | None = None   # the memory plan the model was loaded under
-        self.drafter = drafter or NgramDrafter()
+        # A hybrid's recurrent state cannot take back rejected drafts yet (set_drafter says why)
+        self.drafter = drafter or (NoDrafter() if isinstance(target.cache, RecurrentCache) else NgramDrafter())
         self.max_draft = max_draft
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
         self.costs = PassCosts()               # measured by every chat, shared by all

@@ -65,7 +65,7 @@ def _coerce(name: str, value, source: str):
     try:
         if value is None or value == "":
             return None if "None" in kind else _default(name)
-        if isinstance(value, bool) or (not kind.startswith("str") and isinstance(value, (list, dict))):
+        if isinstance(value, (bool, list, dict)):   # no setting is a flag, a list or a table
             raise TypeError(value)
         if kind.startswith("int"):
             if isinstance(value, float):         # 1.5 tokens is a typo, not 1
@@ -73,8 +73,6 @@ def _coerce(name: str, value, source: str):
             return _check_value(name, int(value), source)
         if kind.startswith("float"):
             return _check_value(name, float(value), source)
-        if isinstance(value, (list, dict)):
-            raise TypeError(value)
         return _check_value(name, str(value), source)
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: {name} = {value!r} is not a valid {kind.split(' ')[0]}") from None
@@ -82,7 +80,7 @@ def _coerce(name: str, value, source: str):
 
 # What a setting from a file or the environment may hold (flags are checked by the CLI
 # with the same ranges): a value outside is a warning and the default, like a bad type.
-_CHOICES = {"device": None, "drafter": ("auto", "ngram", "model", "none"),
+_CHOICES = {"drafter": ("auto", "ngram", "model", "none"),
             "drafter_weights": ("auto", "exact", "int8", "int4"), "compile": ("auto", "on", "off"),
             "dtype": ("auto", "float32", "bfloat16", "float16")}
 _RANGES = {"max_tokens": (lambda v: v >= 1, "at least 1"),

@@ -34,18 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def measure_bandwidth(folder: Path, size: int = 256 * 2**20) -> dict:
-    """Host RAM read bandwidth (a large copy) and cold disk reads (a file written, evicted
-    from the page cache with posix_fadvise, read back) in bytes/s."""
+    """The streamed profile's tiers, in bytes/s: pinned host-to-GPU copies (CUDA) and cold
+    disk reads (a file written, evicted from the page cache with posix_fadvise, read back).
+    Memory's own read rate is engine.bandwidth's probe."""
     import torch
-    src = torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = time.perf_counter()
-    for _ in range(4):
-        dst.copy_(src)
-    ram = 4 * size * 2 / (time.perf_counter() - t)    # a copy reads and writes every byte
-    out = {"cpu": ram}
+    out = {}
     if torch.cuda.is_available():
+        src = torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
         # Host -> device from pinned memory: the rate of the streamed profile's RAM tier.
         host = src.pin_memory()
         dev = torch.empty_like(host, device="cuda")
@@ -105,7 +100,7 @@ def doctor_main(argv: list[str]) -> int:
                                   refresh=args.measure)
         bw = bandwidth.rates(read)
         if args.measure:     # disk and host-to-device too (the streamed tiers); RAM is the read probe's
-            bw.update({k: v for k, v in measure_bandwidth(checkpoint.default_cache_dir()).items() if k != "cpu"})
+            bw.update(measure_bandwidth(checkpoint.default_cache_dir()))
         plan = planner.make_plan(shape, hw, profs, context=args.context, drafter=draft, force=args.profile,
                                  bandwidth=bw, runnable=engine.runnable(profs, shape),
                                  drafter_weights=dweights if draft else "exact",
