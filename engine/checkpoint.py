@@ -200,6 +200,23 @@ def tensor_index(path: Path) -> dict[str, TensorEntry]:
     return index
 
 
+# A published multimodal checkpoint keeps its language model under one of these prefixes
+# (Qwen3.5: model.language_model.*); the text-only model transformers builds calls it model.*
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+
+
+def stored_name(index: dict, model_name: str) -> str | None:
+    """The name a text-only model's tensor has in the files (`index`), or None if absent."""
+    if model_name in index:
+        return model_name
+    if model_name.startswith("model."):
+        for prefix in _TEXT_PREFIXES:
+            alt = prefix + model_name[len("model."):]
+            if alt in index:
+                return alt
+    return None
+
+
 # ---------------------------------------------------------------- GGUF import
 
 def check_tensors(path: Path) -> None:
@@ -216,9 +233,11 @@ def check_tensors(path: Path) -> None:
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     try:
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        if get_checkpoint_conversion_mapping(cfg.model_type):
-            # transformers renames this family's tensors on load (experts fused, a language
-            # model nested): names differ by design; load_resident checks what it loaded
+        if cfg.model_type != getattr(cfg.get_text_config(), "model_type", cfg.model_type):
+            pass        # a multimodal wrapper: its language model's names are mapped below
+        elif get_checkpoint_conversion_mapping(cfg.model_type):
+            # transformers renames this family's tensors on load (experts fused): names
+            # differ by design; load_resident checks what it loaded
             return
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -226,11 +245,12 @@ def check_tensors(path: Path) -> None:
     except Exception:   # noqa: BLE001 — unknown or unbuildable architecture: the loader says why
         return
     have = tensor_index(path)
-    if not set(have) & set(skeleton.state_dict()):
-        return          # another naming scheme (a multimodal wrapper): transformers maps it itself
+    if not any(stored_name(have, n) for n in skeleton.state_dict() if n != "lm_head.weight"):
+        return          # another naming scheme: transformers maps it itself
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     for name, t in skeleton.state_dict().items():
-        e = have.get(name)
+        stored = stored_name(have, name)
+        e = have.get(stored) if stored else None
         if e is None:
             if tied and name == "lm_head.weight":
                 continue

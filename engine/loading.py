@@ -23,9 +23,8 @@ RUNNABLE_KINDS = {("resident", "exact"), ("resident", "int8"), ("resident", "int
 def runnable(profile_list, shape: planner.ModelShape | None = None) -> tuple[str, ...]:
     """Names of the profiles (built-in or a user's) this engine has a target for, for this
     model if `shape` is given: a hybrid (recurrent layers) runs through transformers' own
-    layers over our cache, resident with its exact weights; the quantized and streamed
-    targets run the Llama-family forward only."""
-    kinds = {("resident", "exact")} if shape is not None and shape.state_bytes else RUNNABLE_KINDS
+    layers over our cache, resident with its exact or quantized weights."""
+    kinds = RUNNABLE_KINDS - {("streamed", "exact")} if shape is not None and shape.state_bytes else RUNNABLE_KINDS
     return tuple(p.name for p in profile_list if (p.placement, p.weights) in kinds)
 
 
@@ -131,7 +130,7 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     if shape.state_bytes:
         if forced and forced not in can:
             raise BadRequest(f"--profile {forced}: {ckpt.name} is a hybrid model (linear-attention layers), which "
-                             f"runs resident with its exact weights in this version: use {', '.join(can)} or auto")
+                             f"runs resident (exact, int8 or int4) in this version: use {', '.join(can)} or auto")
     if forced and forced not in can:
         raise BadRequest(f"--profile {forced}: this version runs {', '.join(can)}; use one of those or auto")
     # tok/s bounds (and a streamed pass's compute time) from this machine's measured read rate

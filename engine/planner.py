@@ -182,6 +182,8 @@ class Plan:
     chosen: str | None
     reason: str
     bandwidth: dict = field(default_factory=dict)
+    # Profiles the engine has no target for on this model (shown for what they would need)
+    not_runnable: list = field(default_factory=list)
 
     def row(self, name: str) -> PlanRow:
         return next(r for r in self.rows if r.profile == name)
@@ -220,6 +222,7 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
     profiles = sorted(profiles, key=lambda p: (p.rank, p.name))    # the choice below takes the first that fits
     rows = [_row(shape, hw, p, context, drafter, runtime, kind, bw, drafter_weights, quant_act_bytes)
             for p in profiles]
+    skip = [] if runnable is None else [p.name for p in profiles if p.name not in runnable]
     if force:
         row = next((r for r in rows if r.profile == force), None)
         if row is None:
@@ -228,14 +231,15 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
             need, budget = gb_apart(row.total, row.budget)
             raise BadRequest(f"--profile {force} needs {need} but the budget is {budget}: "
                              f"short by {gb(row.short_by)}; lower --context, raise --vram, or pick another profile")
-        return Plan(shape.name, hw.device, hw.budget_bytes, rows, force, f"{force} was asked for with --profile.", bw)
+        return Plan(shape.name, hw.device, hw.budget_bytes, rows, force, f"{force} was asked for with --profile.", bw,
+                    skip)
     fitting = [r for r, p in zip(rows, profiles) if r.fits and (runnable is None or p.name in runnable)]
     if not fitting:
         smallest = min((r for r in rows if runnable is None or r.profile in runnable), key=lambda r: r.short_by,
                        default=min(rows, key=lambda r: r.short_by))
         return Plan(shape.name, hw.device, hw.budget_bytes, rows, None,
                     f"Nothing fits in {gb(hw.budget_bytes)}: the smallest need is {smallest.profile} at "
-                    f"{gb(smallest.total)} (short by {gb(smallest.short_by)}).", bw)
+                    f"{gb(smallest.total)} (short by {gb(smallest.short_by)}).", bw, skip)
     best = fitting[0]          # by rank: exact > int8 > int4 > streamed
     better = [r for r in rows[:rows.index(best)]]
     if not better:
@@ -243,7 +247,7 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
     else:
         reason = (f"{best.profile}: {better[0].profile} would need {gb(better[0].total)} of the "
                   f"{gb(hw.budget_bytes)} budget; this is the best profile that fits.")
-    return Plan(shape.name, hw.device, hw.budget_bytes, rows, best.profile, reason, bw)
+    return Plan(shape.name, hw.device, hw.budget_bytes, rows, best.profile, reason, bw, skip)
 
 
 def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: ModelShape | None,
@@ -417,19 +421,25 @@ def format_plan(plan: Plan) -> str:
             + f"{'drafter':>8} {'act':>8} {'runtime':>8} {'margin':>7} "
             f"{'total':>9} {'budget':>9} {'fits':>4} {'streamed/pass':>13} {'tok/s ≤':>8}")
     lines = [head]
+
+    def fits(r) -> str:
+        return "n/a" if r.profile in plan.not_runnable else "yes" if r.fits else "no"
     for r in plan.rows:
         mark = "→ " if r.profile == plan.chosen else "  "
         state = f"{gb(r.state):>9} " if hybrid else ""
         lines.append(f"{mark}{r.profile:<14} {gb(r.weights):>9} {gb(r.kv):>9} {state}{gb(r.drafter):>8} "
                      f"{gb(r.activations):>8} {gb(r.runtime):>8} {gb(r.margin):>7} {gb(r.total):>9} "
-                     f"{gb(r.budget):>9} {'yes' if r.fits else 'no':>4} {gb(r.streamed_bytes_per_pass):>13} "
+                     f"{gb(r.budget):>9} {fits(r):>4} {gb(r.streamed_bytes_per_pass):>13} "
                      f"{r.tps_bound:>8.1f}")
     lines.append("")
     for r in plan.rows:
-        if r.streamed_bytes_per_pass and r.fits:
+        if r.streamed_bytes_per_pass and r.fits and r.profile not in plan.not_runnable:
             lines.append(f"{r.profile}: {r.resident_layers} of {r.resident_layers + r.host_layers + r.disk_layers} "
                          f"layers stay on the device, {r.host_layers} are held in host RAM, {r.disk_layers} are read "
                          f"from disk; each pass streams {gb(r.streamed_bytes_per_pass)} (a verify pass of k+1 "
                          "tokens streams it once).")
+    if plan.not_runnable:
+        lines.append(f"n/a: this version has no target for {', '.join(plan.not_runnable)} on this model "
+                     "(shown for what it would need).")
     lines.append(plan.reason)
     return "\n".join(lines)

@@ -210,8 +210,8 @@ def _fidelity_text(fid: dict) -> str:
 def _self_drafter_hint(plan, shape, settings) -> str | None:
     """With no drafter model configured, say whether an int4 copy of the model itself fits
     beside the chosen profile as its drafter (when no small model shares its tokenizer)."""
-    if settings.draft_model or not plan.chosen:
-        return None
+    if settings.draft_model or not plan.chosen or shape.state_bytes:
+        return None          # a hybrid drafts once its state can be rolled back by replay
     row = plan.row(plan.chosen)
     need = shape.weight_bytes("int4") + shape.kv_bytes_per_token() * row.context
     if row.budget - row.total < need:

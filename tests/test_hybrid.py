@@ -139,11 +139,11 @@ def test_drafting_waits_for_replay_on_hybrids(hybrid):
     assert list(eng.chat().send("Repeat: a b c a b c a b c", max_new_tokens=8))[-1].reason in ("length", "stop")
 
 
-def test_hybrids_run_resident_exact_and_other_profiles_say_why(hybrid):
+def test_hybrids_run_resident_and_other_profiles_say_why(hybrid):
     with pytest.raises(engine.BadRequest, match="hybrid model"):
-        engine.open(str(hybrid), profile="resident-int8")
+        engine.open(str(hybrid), profile="streamed-exact")
     with pytest.raises(engine.BadRequest, match="does not fit"):
-        engine.open(str(hybrid), memory_budget="200KB")     # exact does not fit: nothing else is offered
+        engine.open(str(hybrid), memory_budget="100KB")     # nothing fits: no streamed profile is offered
 
 
 def test_a_published_qwen3_5_checkpoint_runs_its_language_model_only(tmp_path, tokenizer):

@@ -28,8 +28,8 @@ from .. import hardware
 from ..cache import KVCache
 from ..checkpoint import TensorEntry, default_cache_dir, tensor_index
 from ..errors import BadRequest, CheckpointError, UnsupportedModel
-from ..models import llama_family
-from . import qweights
+from ..models import hf_forward, llama_family
+from . import module_quant, qweights
 from .qcache import QuantCache, cache_path, source_identity
 from .resident import ResidentTarget
 
@@ -97,6 +97,19 @@ class QuantizedTarget(ResidentTarget):
         self.quant = info
         self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
 
+    @classmethod
+    def over_modules(cls, model, device: torch.device, act_dtype: torch.dtype, info: QuantInfo,
+                     cache_capacity: int = 1024) -> "QuantizedTarget":
+        """The same target over transformers' modules with packed weights (module_quant.py)."""
+        self = cls.__new__(cls)
+        self._setup(model.config, device, act_dtype, cache_capacity)
+        self.impl = hf_forward.HFForward(model, self.cache)
+        self.kind = "transformers"
+        self.fallback_reason = None
+        self.quant = info
+        self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
+        return self
+
 
 def load_quantized(path: Path, device: torch.device, weights: str, group_size: int = 32,
                    act_dtype: torch.dtype | None = None, cache_dir: Path | None = None, progress=None,
@@ -113,7 +126,12 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
         raise BadRequest(f"--weights {weights}: use one of {', '.join(FORMATS)} for a quantized target")
     device = torch.device(device)
     act_dtype = act_dtype or hardware.default_dtype(device, torch.bfloat16)
-    cfg, skeleton = _skeleton(path)
+    cfg, skeleton, why_not = _skeleton(path)
+    if why_not is not None:
+        # Not a model the Llama-family forward runs (a hybrid, another architecture):
+        # transformers' modules over packed weights (module_quant.py).
+        return _load_modules(path, cfg, device, weights, group_size, act_dtype, cache_dir, progress,
+                             embeddings, t0)
     src = _Source(path, cfg)
     _check_shapes(src, weights, group_size, embeddings)
     group = group_size if weights == "int4" else None
@@ -148,19 +166,33 @@ def _skeleton(path: Path):
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{path}: cannot read config.json ({exc.__class__.__name__}); "
                               "re-download the model") from None
-    if cfg.model_type not in llama_family.SUPPORTED:
-        raise UnsupportedModel(f"{path}: quantized targets run the Llama family "
-                               f"({', '.join(sorted(llama_family.SUPPORTED))}); {cfg.model_type!r} is not one; "
-                               "use the resident-exact or streamed profile")
     cfg._attn_implementation = "sdpa"
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        skeleton = AutoModelForCausalLM.from_config(cfg)
-    why_not = llama_family.can_run(skeleton)
-    if why_not is not None:
-        raise UnsupportedModel(f"{path}: a quantized target cannot run this model ({why_not}); "
-                               "use the resident-exact or streamed profile")
-    return cfg, skeleton
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            skeleton = AutoModelForCausalLM.from_config(cfg)
+    except ValueError:
+        raise UnsupportedModel(f"{path}: {cfg.model_type!r} is not a causal language model transformers can "
+                               "build; pick another model") from None
+    return cfg, skeleton, llama_family.can_run(skeleton)
+
+
+def _load_modules(path: Path, cfg, device, weights: str, group_size: int, act_dtype, cache_dir, progress,
+                  embeddings: bool, t0: float) -> "QuantizedTarget":
+    group = group_size if weights == "int4" else None
+    settings = {"source": source_identity(path), "weights": weights, "group": group,
+                "act_dtype": str(act_dtype), "embeddings": embeddings, "layout": "modules"}
+    cache = QuantCache(cache_path(Path(cache_dir) if cache_dir else default_cache_dir(), path, weights,
+                                  group_size, act_dtype, embeddings), settings)
+    model, hit = module_quant.load(path, cfg, device, weights, group_size, act_dtype, cache, embeddings,
+                                   progress or (lambda what, done, total: None))
+    info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0,
+                     qweights._int8_kernel_works(device, act_dtype), qweights._int4_kernel_works(device, act_dtype))
+    target = QuantizedTarget.over_modules(model, device, act_dtype, info)
+    target.recipe = {"loader": "quantized", "path": str(path), "device": str(device), "weights": weights,
+                     "group_size": group_size, "act_dtype": str(act_dtype).removeprefix("torch."),
+                     "embeddings": embeddings, "cache_dir": str(cache_dir) if cache_dir else None}
+    return target
 
 
 class _Source:
