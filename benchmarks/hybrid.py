@@ -2,7 +2,9 @@
 (hidden 1024, 16 layers: 12 gated delta-net, 4 attention), resident exact, our engine
 against transformers' generate() on the same weights, same dtype, same threads, same run,
 interleaved; prefill and decode tok/s; and the memory the cache holds against what the
-planner predicted for it. Writes JSON (median of --runs runs).
+planner predicted for it. Then every profile (resident exact/int8/int4, streamed exact)
+on the --profiles-dtype model against generate() in one interleaved run. Writes JSON
+(median of --runs runs).
 
     python benchmarks/hybrid.py [--runs 3] [--tokens 64] [--dtypes float32,bfloat16]
 """
@@ -22,7 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import engine  # noqa: E402
-from common import machine, median, write_json  # noqa: E402
+from common import machine, write_json  # noqa: E402
 from decode import generate_once, interleaved  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
 from tiny import build_model, build_tokenizer  # noqa: E402
@@ -56,7 +58,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hybrid.json"))
+    ap.add_argument("--profiles-dtype", default="bfloat16", help="the dtype whose model also runs every profile")
     args = ap.parse_args()
+    profile_rows = []
     from transformers import AutoModelForCausalLM
     rows = []
     for name in [d for d in args.dtypes.split(",") if d]:
@@ -82,8 +86,40 @@ def main() -> None:
                          shape.kv_bytes_per_token(torch.finfo(dtype).bits // 8),
                      "planned_total": row.total, "weights_held": eng.target.weight_bytes(), "weights_planned": row.weights})
         print(rows[-1], flush=True)
+        if name == args.profiles_dtype:
+            profile_rows = profiles(path, name, ref, ids, args)
     print("wrote", write_json(args.out, {"benchmark": "hybrid", "tokens": args.tokens, "runs": args.runs,
-                                         "machine": machine(), "rows": rows}))
+                                         "machine": machine(), "rows": rows, "profiles_dtype": args.profiles_dtype,
+                                         "profiles": profile_rows}))
+
+
+def profiles(path: Path, dtype: str, ref, ids, args) -> list[dict]:
+    """Every profile on the same model, interleaved with generate() in one run: resident
+    exact, int8 and int4 (transformers' modules over packed weights, bf16 activations),
+    and streamed exact with a quarter of the weights resident (the rest read from the
+    files, from the page cache on a machine with the RAM for it)."""
+    from engine.checkpoint import tensor_index
+    weights = sum(e.nbytes for e in tensor_index(path).values())
+    engines = {}
+    for prof in ("resident-exact", "resident-int8", "resident-int4", "streamed-exact"):
+        budget = weights // 4 + (64 << 20) if prof == "streamed-exact" else None
+        eng = engine.open(str(path), dtype=dtype, drafter="none", profile=prof, memory_budget=budget, context=1024)
+        eng.stop_ids = frozenset()
+        engines[prof] = eng
+    contenders = {p: (lambda e=e: ours(e, args.tokens)[0]) for p, e in engines.items()}
+    contenders["generate"] = lambda: generate_once(ref, ids, args.tokens)
+    res = interleaved(args.runs, contenders)
+    out = []
+    for prof, eng in engines.items():
+        info = eng.describe()
+        out.append({"profile": prof, "decode_tps": res[prof], "generate_decode_tps": res["generate"],
+                    "decode_vs_generate": res[prof] / res["generate"], "weights_held": eng.target.weight_bytes(),
+                    "streamed_bytes_per_pass": info.get("streaming", {}).get("streamed_bytes_per_pass", 0)})
+        print(out[-1], flush=True)
+    for eng in engines.values():
+        if hasattr(eng.target, "close"):
+            eng.target.close()
+    return out
 
 
 if __name__ == "__main__":

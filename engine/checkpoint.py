@@ -290,6 +290,24 @@ def import_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
+def _check_gguf_architecture(gguf: Path) -> None:
+    """Refuse, in one line, a GGUF file of an architecture transformers cannot read (its
+    reader would fail later on a missing key): the architecture named, what to use instead."""
+    import transformers
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    try:
+        field = GGUFReader(str(gguf)).fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except Exception:  # noqa: BLE001 — a file that is not GGUF: the import below says so
+        return
+    names = {arch, arch.replace("-", "_"), arch.replace("moe", "_moe")}
+    if not names & set(GGUF_SUPPORTED_ARCHITECTURES):
+        raise CheckpointError(f"{gguf}: transformers {transformers.__version__} cannot read GGUF files of the "
+                              f"{arch} architecture; use the model's safetensors checkpoint (its hub repo id or "
+                              "a local directory) instead")
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
@@ -303,6 +321,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     old = getattr(gguf_utils, "tqdm", None)
     if old is not None:
         gguf_utils.tqdm = functools.partial(old, disable=True)
+    _check_gguf_architecture(gguf)
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # float32 holds a dequantized GGUF block exactly (scale * q + min, fp16 scales).

@@ -98,7 +98,10 @@ class Engine:
         build=False only loads steps an earlier start left in the cache."""
         t = self.target
         if not _compilable(t):
-            self.compile_note = f"the {_weights_label(t)} {t.kind} target decodes eagerly"
+            self.compile_note = (f"the {_weights_label(t)} target runs transformers' own layers (a hybrid or another "
+                                 "architecture) and decodes eagerly: the compiled step traces the Llama-family forward"
+                                 if t.kind == "transformers" else
+                                 f"the {_weights_label(t)} {t.kind} target decodes eagerly")
             return False
         root = cache_dir or _checkpoint.default_cache_dir()
         self._compile_args = (root, build)

@@ -22,10 +22,9 @@ RUNNABLE_KINDS = {("resident", "exact"), ("resident", "int8"), ("resident", "int
 
 def runnable(profile_list, shape: planner.ModelShape | None = None) -> tuple[str, ...]:
     """Names of the profiles (built-in or a user's) this engine has a target for, for this
-    model if `shape` is given: a hybrid (recurrent layers) runs through transformers' own
-    layers over our cache, resident with its exact or quantized weights."""
-    kinds = RUNNABLE_KINDS - {("streamed", "exact")} if shape is not None and shape.state_bytes else RUNNABLE_KINDS
-    return tuple(p.name for p in profile_list if (p.placement, p.weights) in kinds)
+    model if `shape` is given (every profile runs hybrids too: transformers' own layers
+    over our cache, over packed weights, or bound to streamed slots)."""
+    return tuple(p.name for p in profile_list if (p.placement, p.weights) in RUNNABLE_KINDS)
 
 
 def open(model: str | None = None, *, device: str = "auto", dtype: str | None = None,
@@ -127,10 +126,6 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     if forced and forced not in names:
         raise BadRequest(f"--profile {forced}: no such profile (have: auto, {', '.join(names)})")
     can = runnable(every, shape)
-    if shape.state_bytes:
-        if forced and forced not in can:
-            raise BadRequest(f"--profile {forced}: {ckpt.name} is a hybrid model (linear-attention layers), which "
-                             f"runs resident (exact, int8 or int4) in this version: use {', '.join(can)} or auto")
     if forced and forced not in can:
         raise BadRequest(f"--profile {forced}: this version runs {', '.join(can)}; use one of those or auto")
     # tok/s bounds (and a streamed pass's compute time) from this machine's measured read rate

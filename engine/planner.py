@@ -94,11 +94,15 @@ class ModelShape:
         norms = 2 * hidden + (2 * hd if text.get("model_type", "").startswith("qwen3") else 0)
         other = vocab * hidden * (1 if tied else 2) + hidden + layers * (norms + bias)
         dt = dtype_bytes or _dtype_bytes(text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype"))
-        types = text.get("layer_types") or []
+        types = _layer_types(text, layers)
         # KV per token: attention layers only; a hybrid's linear_attention layers keep a fixed state
         attn = sum(1 for t in types if "attention" in t and "linear" not in t) if types else layers
+        linear = layers * per_layer
+        if "linear_attention" in types:
+            linear, extra = _hybrid_params(text, types, number)
+            other = vocab * hidden * (1 if tied else 2) + hidden + extra
         return cls(name or text.get("model_type", "model"), layers, hidden, heads, kv, hd, inter, vocab, dt,
-                   layers * per_layer, other, tied, attn or layers, _state_bytes(text, types, dt))
+                   linear, other, tied, attn or layers, _state_bytes(text, types, dt))
 
     @classmethod
     def from_checkpoint(cls, path: Path, name: str = "") -> "ModelShape":
@@ -112,12 +116,21 @@ class ModelShape:
         shape = cls.from_config(cfg, name or Path(path).name, where=str(where))
         linear = other = 0
         dt = shape.dtype_bytes
-        for e in tensor_index(Path(path)).values():
+        index = tensor_index(Path(path))
+        # A published multimodal checkpoint (Qwen3.5) holds a vision tower that is not loaded
+        nested = any(name.startswith("model.language_model.") for name in index)
+        for e in index.values():
+            if nested and not e.name.startswith(("model.language_model.", "lm_head.")):
+                continue
             n = 1
             for d in e.shape:
                 n *= d
             dt = e.nbytes // max(n, 1) or dt
-            if ".layers." in e.name and e.name.endswith("proj.weight"):
+            # decoder matrices (what int8/int4 quantize): 2-D weights of the layers, and
+            # experts fused into 3-D tensors; not a router, not a conv kernel
+            matrix = (e.name.endswith(".weight") and len(e.shape) == 2 and not e.name.endswith("mlp.gate.weight")) \
+                or e.name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            if ".layers." in e.name and matrix:
                 linear += n
             else:
                 other += n
@@ -126,14 +139,63 @@ class ModelShape:
                    shape.attention_layers, shape.state_bytes)
 
 
+def _layer_types(text: dict, layers: int) -> list[str]:
+    """config.layer_types, or the pattern transformers derives from full_attention_interval
+    (Qwen3-Next configs may give only that: every interval-th layer is full attention)."""
+    types = text.get("layer_types")
+    if types:
+        return list(types)
+    interval = text.get("full_attention_interval")
+    if isinstance(interval, int) and interval > 0 and "linear_num_value_heads" in text:
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    return []
+
+
+def _hybrid_params(text: dict, types: list, number) -> tuple[int, int]:
+    """(decoder matrices, the rest of the decoder layers) of a Qwen3.5 / Qwen3-Next config:
+    gated attention layers (q_proj twice as wide: its second half gates the output),
+    gated delta-net layers (q/k/v/z, beta and decay projections, out_proj; conv weights,
+    decay parameters and the gated norm besides), a dense MLP or a mixture of experts with
+    a shared expert (matrices) and a router (not), two norms a layer. Checked against the
+    tensors of saved checkpoints in tests/test_hybrid.py."""
+    hidden, heads = number("hidden_size"), number("num_attention_heads")
+    kv = number("num_key_value_heads", heads)
+    hd = number("head_dim", hidden // heads)
+    kh, kd = number("linear_num_key_heads"), number("linear_key_head_dim")
+    vh, vd = number("linear_num_value_heads"), number("linear_value_head_dim")
+    conv_k = number("linear_conv_kernel_dim", 4)
+    conv_dim = 2 * kh * kd + vh * vd
+    experts = text.get("num_experts") or 0
+    sparse_step = text.get("decoder_sparse_step") or 1
+    dense_only = set(text.get("mlp_only_layers") or ())
+    linear = other = 0
+    for i, kind in enumerate(types):
+        if kind == "linear_attention":
+            linear += hidden * (conv_dim + vh * vd + 2 * vh) + vh * vd * hidden
+            other += conv_dim * conv_k + 2 * vh + vd
+        else:
+            linear += hidden * heads * hd * 2 + 2 * hidden * kv * hd + heads * hd * hidden
+            other += 2 * hd
+        if experts and i not in dense_only and (i + 1) % sparse_step == 0:
+            moe, shared = number("moe_intermediate_size"), text.get("shared_expert_intermediate_size") or 0
+            linear += 3 * hidden * (experts * moe + shared) + (hidden if shared else 0)   # + the shared gate
+            other += hidden * experts                                                       # the router
+        else:
+            linear += 3 * hidden * number("intermediate_size")
+        other += 2 * hidden
+    return linear, other
+
+
 def _state_bytes(text: dict, types: list, dtype_bytes: int) -> int:
     """The gated delta-net state of one conversation (Qwen3.5, Qwen3-Next): per linear layer
     a conv window of the last K pre-conv q/k/v columns, conv_dim = 2 x key heads x key dim +
     value heads x value dim, in the model's dtype; and a recurrent state of value heads x
     key dim x value dim in float32 (even in a bf16 model)."""
+    # LFM2's short-conv layers: a window of the last conv_L_cache columns of the hidden size
+    conv_layers = sum(1 for t in types if t == "conv") * text.get("hidden_size", 0) * text.get("conv_L_cache", 3)
     linear = sum(1 for t in types if t == "linear_attention")
     if not linear:
-        return 0
+        return conv_layers * dtype_bytes
     kh, kd = text.get("linear_num_key_heads", 0), text.get("linear_key_head_dim", 0)
     vh, vd = text.get("linear_num_value_heads", 0), text.get("linear_value_head_dim", 0)
     conv = (2 * kh * kd + vh * vd) * text.get("linear_conv_kernel_dim", 4) * dtype_bytes

@@ -81,6 +81,24 @@ CATALOG: list[CatalogModel] = [
 ]
 
 
+# A hybrid (gated delta-net + attention, one layer in four) with a mixture of experts: the
+# numbers transformers' Qwen3NextConfig defaults to, which its docstring gives as those of
+# Qwen/Qwen3-Next-80B-A3B-Instruct (transformers 5.24, configuration_qwen3_next.py). No
+# Qwen3.5 size is listed: no config with its linear-attention numbers could be cited here;
+# `localchat setup --model Qwen/Qwen3.5-...` plans any of them from its own config.json.
+_QWEN3_NEXT_80B = dict(
+    _cfg("qwen3_next", 2048, 48, 16, 2, 5632, 151936, False, head_dim=256),
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)],
+    linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[])
+# Its download is the parameter count at 2 bytes (bf16), not a figure read off the hub.
+CATALOG.append(CatalogModel("Qwen/Qwen3-Next-80B-A3B-Instruct", "Qwen3-Next-80B-A3B-Instruct", int(159.4 * GB),
+                            _QWEN3_NEXT_80B,
+                            note="hybrid MoE (3 B of 80 B parameters active a token); tok/s bounds count every "
+                                 "expert's bytes, so they understate it"))
+
+
 def find(key: str | None) -> CatalogModel | None:
     """The catalog entry for a repo id (case-insensitive) or 'demo'; None if not listed."""
     key = (key or DEMO_ID).strip().lower()

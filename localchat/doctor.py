@@ -175,6 +175,9 @@ def _streaming_threads_text(plan, shape, hw, context: int) -> str | None:
     (engine/targets/thread_check.py), from the attention check, which needs no weights."""
     if plan.chosen != "streamed-exact" or hw.device != "cpu":
         return None
+    if shape.state_bytes:
+        return ("Streamed compute: on all threads (a hybrid streams transformers' own layers; the check that lets "
+                "one-token steps leave the readers a core covers the Llama-family forward).")
     import torch
     from engine.targets import thread_check
     dtype = torch.float32 if shape.dtype_bytes == 4 else torch.bfloat16

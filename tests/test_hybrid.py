@@ -57,6 +57,25 @@ def test_keys_and_values_only_for_attention_layers(hybrid, hybrid_engine):
     cache.rollback(0)
 
 
+def test_parameter_counts_from_the_config_alone_equal_the_checkpoint(hybrid, tmp_path, tokenizer):
+    """What doctor and setup plan a hub model by before it is downloaded (its config.json)
+    is what the files hold: the decoder matrices int8/int4 quantize (both layer kinds,
+    experts and the shared expert) and the rest (embeddings, norms, conv kernels, router),
+    for a published multimodal layout too (its vision tower is not counted: not loaded)."""
+    import json
+    vl = build_model(tmp_path / "vl", "qwen3_5_vl", layers=4, tokenizer=tokenizer, seed=1)
+    for path in (hybrid, vl):
+        planned = ModelShape.from_config(json.loads((path / "config.json").read_text()))
+        held = ModelShape.from_checkpoint(path)
+        assert (planned.linear_params, planned.other_params) == (held.linear_params, held.other_params) != (0, 0)
+        assert planned.state_bytes == held.state_bytes and planned.attention_layers == held.attention_layers
+    # a config that gives only full_attention_interval plans the same layer pattern
+    cfg = json.loads((hybrid / "config.json").read_text())
+    del cfg["layer_types"]
+    cfg["full_attention_interval"] = 4
+    assert ModelShape.from_config(cfg).state_bytes == ModelShape.from_checkpoint(hybrid).state_bytes
+
+
 @pytest.fixture(scope="module")
 def reference(hybrid):
     from transformers import AutoModelForCausalLM
@@ -139,11 +158,9 @@ def test_drafting_waits_for_replay_on_hybrids(hybrid):
     assert list(eng.chat().send("Repeat: a b c a b c a b c", max_new_tokens=8))[-1].reason in ("length", "stop")
 
 
-def test_hybrids_run_resident_and_other_profiles_say_why(hybrid):
-    with pytest.raises(engine.BadRequest, match="hybrid model"):
-        engine.open(str(hybrid), profile="streamed-exact")
+def test_a_budget_nothing_fits_is_refused_with_the_figures(hybrid):
     with pytest.raises(engine.BadRequest, match="does not fit"):
-        engine.open(str(hybrid), memory_budget="100KB")     # nothing fits: no streamed profile is offered
+        engine.open(str(hybrid), memory_budget="20KB")
 
 
 def test_a_published_qwen3_5_checkpoint_runs_its_language_model_only(tmp_path, tokenizer):
@@ -174,3 +191,54 @@ def test_doctor_shows_the_recurrent_state_as_its_own_column(hybrid):
     assert row.total == row.weights + row.kv + row.state + row.drafter + row.activations + row.runtime + row.margin
     head, first = planner.format_plan(plan).splitlines()[:2]
     assert head.split()[:4] == ["profile", "weights", "KV", "state"] and planner.gb(row.state) in first
+
+
+def test_another_hybrid_family_lfm2_through_the_generic_path(tmp_path, tokenizer):
+    """LFM2 (short-convolution layers, a conv window and no recurrent state, beside
+    attention layers) runs through the same cache: greedy equals generate(), turns carry
+    the window over, and the planner counts the window it holds."""
+    from transformers import AutoModelForCausalLM
+    path = build_model(tmp_path / "lfm2", "lfm2", layers=4, tokenizer=tokenizer, seed=6)
+    eng = engine.open(str(path), drafter="none")
+    cache = eng.target.cache
+    assert isinstance(cache, RecurrentCache) and cache.layers == 1 and len(cache.states) == 3
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        done = list(eng.chat().send(prompt, max_new_tokens=32))[-1]
+        want = _generate(ref, render_prompt(eng.tokenizer, [{"role": "user", "content": prompt}]), 32)
+        assert list(done.token_ids) == want[:len(done.token_ids)], prompt
+    chat = eng.chat()
+    for i, prompt in enumerate(["Hello there.", "Why is the sky blue?", "Thanks, bye."]):
+        answer, ids = _turn(chat, prompt)
+        if i:
+            assert chat.last_stats.prefill_tokens < chat.last_stats.prompt_tokens
+        assert answer == _generate(ref, ids, 16)[:len(answer)], i
+    # the planner, by hand: 3 conv layers x hidden 64 x conv_L_cache 3 columns x 4 bytes
+    assert ModelShape.from_checkpoint(path).state_bytes == cache.state_bytes() // 2 == 3 * 64 * 3 * 4
+
+
+def test_gguf_import_of_a_hybrid_and_a_clear_refusal_of_one_transformers_cannot_read(tmp_path, tokenizer):
+    """A hybrid whose GGUF form transformers reads (LFM2) imports once into safetensors and
+    answers exactly as the checkpoint it was written from (float32: lossless). A GGUF of
+    an architecture transformers cannot read (Qwen3.5's qwen35) is one line naming the file
+    and what to use instead."""
+    import gguf
+    from gguf_writer import write_gguf
+    src = build_model(tmp_path / "lfm2", "lfm2", layers=4, tokenizer=tokenizer, seed=8)
+    path = write_gguf(src, tmp_path / "lfm2-tiny.gguf")
+    eng = engine.open(str(path), drafter="none", cache_dir=tmp_path / "cache")
+    ref = engine.open(str(src), drafter="none")
+    assert eng.checkpoint.source == "gguf" and isinstance(eng.target.cache, RecurrentCache)
+    for prompt in PROMPTS[:2]:
+        got = list(eng.chat().send(prompt, max_new_tokens=24))[-1].token_ids
+        assert got == list(ref.chat().send(prompt, max_new_tokens=24))[-1].token_ids
+    other = tmp_path / "qwen35.gguf"
+    w = gguf.GGUFWriter(str(other), "qwen35")
+    w.add_block_count(4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(engine.EngineError, match=r"qwen35.gguf: transformers .* cannot read GGUF files of the qwen35 "
+                                                 r"architecture; use the model's safetensors checkpoint"):
+        engine.open(str(other), drafter="none", cache_dir=tmp_path / "cache")

@@ -16,7 +16,7 @@ from engine.targets.resident import ResidentTarget, load_resident
 from tiny import build_model
 
 CPU = torch.device("cpu")
-KINDS = ["qwen3_5", "qwen3_next", "qwen3_5_vl"]
+KINDS = ["qwen3_5", "qwen3_next", "qwen3_5_vl", "lfm2"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -57,8 +57,8 @@ def test_logits_match_their_definition(hybrid, tmp_path, fmt):
     packed = [m for layer in layers for m in layer.modules() if isinstance(m, (PackedLinear, PackedExperts))]
     dense = [m for layer in layers for m in layer.modules() if isinstance(m, nn.Linear)]
     assert packed and all(fmt == "int4" and m.out_features < 16 for m in dense)
-    assert any(isinstance(m, PackedLinear) for m in layers[0].linear_attn.modules())
-    assert layers[0].linear_attn.A_log.dtype == torch.float32
+    mixer = getattr(layers[0], "linear_attn", None) or layers[0].conv      # the recurrent layer kind
+    assert any(isinstance(m, PackedLinear) for m in mixer.modules())
     got = q.forward(ids, all_logits=True)
     want = dequantized_reference(hybrid, fmt).forward(ids, all_logits=True)
     # Same weights, plain float32 arithmetic: only the kernels' summation order differs
@@ -81,9 +81,12 @@ def test_bf16_activations_quantized_embeddings_and_size(hybrid, tmp_path):
     for embeddings in (False, True):
         q = load_quantized(hybrid, CPU, "int4", act_dtype=torch.bfloat16, cache_dir=tmp_path, embeddings=embeddings)
         assert q.dtype == torch.bfloat16 and q.cache.k[0].dtype == torch.bfloat16
-        # the recurrent states stay float32 in a bf16 model, as transformers keeps them
+        # the recurrent states stay float32 in a bf16 model, as transformers keeps them (an
+        # LFM2 short-conv layer has only its conv window, in the model's dtype)
         q.forward(list(range(3, 20)))
-        assert {s.layer.recurrent_states[0].dtype for s in q.cache.states} == {torch.float32}
+        states = [s.layer.recurrent_states[0] for s in q.cache.states]
+        assert all(t.dtype == torch.float32 for t in states if t is not None)
+        assert {s.layer.conv_states[0].dtype for s in q.cache.states} == {torch.bfloat16}
         assert q.weight_bytes() < exact.weight_bytes() * (0.5 if embeddings else 0.6)
 
 

@@ -76,6 +76,12 @@ def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2,
             model = Qwen3NextForCausalLM(Qwen3NextConfig(**linear, num_experts=4, num_experts_per_tok=2,
                                                          moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden,
                                                          **common))
+    elif kind == "lfm2":
+        # Another hybrid family: LFM2's short-convolution layers (a conv window, no
+        # recurrent state) beside attention layers.
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+        pattern = ["conv", "conv", "full_attention", "conv"]
+        model = Lfm2ForCausalLM(Lfm2Config(**dict(common, layer_types=[pattern[i % 4] for i in range(layers)])))
     else:
         raise ValueError(kind)
     # Random init at std 0.02 gives near-uniform logits; a wider spread makes the

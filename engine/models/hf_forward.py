@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..cache import KVCache
+from .llama_family import ALIGN_BYTES, aligned
 
 
 class _PositionLayer(DynamicLayer):
@@ -49,7 +50,8 @@ class LinearState:
         lay = self.layer
         if not lay.has_previous_state[0]:
             return None
-        return (lay.conv_states[0].clone(), lay.recurrent_states[0].clone())
+        # a short-conv layer (LFM2) has no recurrent state
+        return tuple(None if t is None else t.clone() for t in (lay.conv_states[0], lay.recurrent_states[0]))
 
     @torch.inference_mode()
     def restore(self, snap) -> None:
@@ -59,8 +61,9 @@ class LinearState:
             return
         # copy_ into the tensors the layer holds: they keep their address (a captured graph
         # or a compiled step may point at them)
-        lay.conv_states[0].copy_(snap[0])
-        lay.recurrent_states[0].copy_(snap[1])
+        for live, saved in zip((lay.conv_states[0], lay.recurrent_states[0]), snap):
+            if saved is not None:
+                live.copy_(saved)
         lay.has_previous_state[0] = True
 
     def reset(self) -> None:
@@ -74,10 +77,17 @@ class LinearState:
                    if t is not None)
 
 
+# Layer types (config.layer_types) whose state is a fixed-size conv window and/or recurrent
+# state that transformers keeps in a LinearAttentionLayer: Qwen3.5/Qwen3-Next's gated
+# delta-nets, LFM2's short convolutions.
+RECURRENT_TYPES = ("linear_attention", "conv")
+
+
 def layer_kinds(config) -> list[str]:
-    """'attention' or 'linear' for each decoder layer (config.layer_types where it has them)."""
+    """'attention' or 'linear' (a recurrent state) for each decoder layer (config.layer_types
+    where it has them)."""
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return ["linear" if t == "linear_attention" else "attention" for t in types]
+    return ["linear" if t in RECURRENT_TYPES else "attention" for t in types]
 
 
 class HFForward:
@@ -97,6 +107,13 @@ class HFForward:
         if linear:
             cache.states = linear                  # an engine.cache.RecurrentCache rolls them back
         self.hf_cache = Cache(layers=layers)
+        # Every weight starts on 64 bytes, as a streamed slot's views do (matrix-vector
+        # kernels may round by alignment: llama_family.ALIGN_BYTES), so a model streamed
+        # through these same modules computes the very bits this one does.
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.is_meta and p.data_ptr() % ALIGN_BYTES:
+                    p.data = aligned(p.data)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         seen, out = set(), []

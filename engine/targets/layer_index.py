@@ -112,9 +112,13 @@ class StreamIndex:
     def head_units(self) -> list[Unit]:
         return [u for u in self.units if u.kind == "head"]
 
+    def norm_unit(self) -> Unit:
+        """What stays resident besides the layers, embeddings and head: the final norm."""
+        return Unit("norm", "norm", 0, (self.norm,), self.norm.numel)
+
     def total_file_bytes(self) -> int:
         tied = self.head.name == self.embed.name
-        return sum(u.file_bytes for u in self.units) + self.norm.nbytes + (0 if tied else self.embed.nbytes)
+        return sum(u.file_bytes for u in self.units) + self.norm_unit().file_bytes + (0 if tied else self.embed.nbytes)
 
 
 def _dtype(e: TensorEntry) -> torch.dtype:
@@ -183,22 +187,30 @@ def build(path: Path, num_layers: int, tie_word_embeddings: bool, slot_numel: in
                 stage += e.nbytes
         units.append(Unit(f"layer {i}", "layer", i, tuple(pieces), layout.numel))
 
+    units += head_units(head, slot_numel or layout.numel, slot_numel is not None)
+    hidden = head.shape[1]
+    norm_piece = Piece(norm.file, norm.offset, norm.nbytes, _dtype(norm), 0, _numel(norm.shape))
+    slot = max(u.numel for u in units)
+    files = sorted({p.file for u in units for p in u.pieces} | {norm.file, embed.file})
+    return StreamIndex(layout, units, norm_piece, embed, head, hidden, slot, files)
+
+
+def head_units(head: TensorEntry, want: int, forced: bool = False) -> list[Unit]:
+    """The output head in chunks of about `want` elements (whole HEAD_ROW_QUANTUMs of rows,
+    unless `forced`: a test's smaller slot)."""
     vocab, hidden = head.shape
-    want = slot_numel or layout.numel
     rows = max(HEAD_ROW_QUANTUM, want // hidden // HEAD_ROW_QUANTUM * HEAD_ROW_QUANTUM)
-    if slot_numel is not None:
-        rows = max(1, slot_numel // hidden)
+    if forced:
+        rows = max(1, want // hidden)
     rows = min(rows, vocab)
     esize = head.nbytes // max(1, vocab * hidden)
+    units = []
     for c, row0 in enumerate(range(0, vocab, rows)):
         r = min(rows, vocab - row0)
         piece = Piece(head.file, head.offset + row0 * hidden * esize, r * hidden * esize, _dtype(head),
                       0, r * hidden, 0)
         units.append(Unit(f"head {c}", "head", c, (piece,), r * hidden, row0, r))
-    norm_piece = Piece(norm.file, norm.offset, norm.nbytes, _dtype(norm), 0, _numel(norm.shape))
-    slot = max(u.numel for u in units)
-    files = sorted({p.file for u in units for p in u.pieces} | {norm.file, embed.file})
-    return StreamIndex(layout, units, norm_piece, embed, head, hidden, slot, files)
+    return units
 
 
 def _layout(fields: dict[str, list[tuple[int, TensorEntry]]]) -> LayerLayout:

@@ -178,7 +178,9 @@ def quantize_layer(layer: nn.Module, prefix: str, src: ModuleSource, fmt: str, g
 
 def quantize_rest(model: nn.Module, src: ModuleSource, fmt: str, group: int, act_dtype,
                   embeddings: bool) -> dict[str, torch.Tensor]:
-    out = {"p|model.norm.weight": src.rows("model.norm.weight").float()}
+    # the final norm (LFM2: model.embedding_norm) and anything else outside the layers
+    out = {f"p|{n}": src.rows(n).float() for n, _ in model.named_parameters()
+           if not n.startswith("model.layers.") and n not in ("model.embed_tokens.weight", "lm_head.weight")}
     tables = {"embed": "model.embed_tokens.weight"}
     if not _tied(model, src):
         tables["head"] = "lm_head.weight"
@@ -232,7 +234,9 @@ def pack_layer(layer: nn.Module, flat: dict[str, torch.Tensor], device, act_dtyp
 
 
 def pack_rest(model: nn.Module, flat: dict[str, torch.Tensor], device, act_dtype, fmt: str, group: int) -> None:
-    _set(model, "model.norm.weight", flat["p|model.norm.weight"].to(device, act_dtype))
+    for k, v in flat.items():
+        if k.startswith("p|") and k not in ("p|embed", "p|head"):
+            _set(model, k[2:], v.to(device, act_dtype))
     q = _groups(flat, "q")
     if ("embed",) in q:
         embed = _packed(q[("embed",)], device, act_dtype, fmt, group)

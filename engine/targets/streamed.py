@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .. import planner
 from ..errors import BadRequest, EngineError, UnsupportedModel
 from ..models import llama_family
-from . import layer_index, thread_check
+from . import layer_index, streamed_modules, thread_check
 from ..cache import KVCache
 from .resident import ResidentTarget
 from .prefetch import Counters, Filler, Files, Ledger, Prefetcher, Slot, byte_view
@@ -90,7 +90,15 @@ class StreamedForward(llama_family.LlamaFamilyForward):
         return self.t.embed_rows(ids)
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.t
+        return self.t.head(x)
+
+
+class StreamedTarget:
+    """Same interface as ResidentTarget: forward(ids, all_logits), cache, weight_bytes()."""
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head over normed hidden rows, chunk by chunk (resident or streamed)."""
+        t = self
         parts = []
         for unit in t.index.head_units:
             flat = t.resident.get(unit.name)
@@ -104,32 +112,33 @@ class StreamedForward(llama_family.LlamaFamilyForward):
                 t.prefetcher.give(slot)
         return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
-
-class StreamedTarget:
-    """Same interface as ResidentTarget: forward(ids, all_logits), cache, weight_bytes()."""
-
     def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, weight_budget: int,
                  host_budget: int = 0, depth: int = planner.PREFETCH_DEPTH, context: int | None = None,
                  bandwidth: dict | None = None, slot_numel: int | None = None, progress=None):
         from transformers import AutoConfig, AutoModelForCausalLM
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        if cfg.model_type not in llama_family.SUPPORTED:
-            raise UnsupportedModel(f"{path}: the streamed profile runs the Llama family "
-                                   f"({', '.join(sorted(llama_family.SUPPORTED))}); {cfg.model_type!r} is not one")
         cfg._attn_implementation = "sdpa"
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            skeleton = AutoModelForCausalLM.from_config(cfg)     # shapes and module code, no memory
-        why_not = llama_family.can_run(skeleton)
-        if why_not is not None:
-            raise UnsupportedModel(f"{path}: the streamed profile cannot run this model ({why_not})")
+        try:
+            with torch.device("meta"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                skeleton = AutoModelForCausalLM.from_config(cfg)     # shapes and module code, no memory
+        except ValueError:
+            raise UnsupportedModel(f"{path}: {cfg.model_type!r} is not a causal language model transformers "
+                                   "can build; pick another model") from None
+        # The Llama family runs the fast forward over slot views; any other model (a
+        # hybrid) runs transformers' layers bound to the slots (streamed_modules.py).
+        self.modules = llama_family.can_run(skeleton) is not None
         self.path = Path(path)
         self.kind = "streamed"
         self.fallback_reason = None
         self.depth = depth
         self.bandwidth = dict(planner.DEFAULT_BANDWIDTH, **(bandwidth or {}))
-        self.index = layer_index.build(self.path, cfg.num_hidden_layers,
-                                       bool(getattr(cfg, "tie_word_embeddings", False)), slot_numel)
+        if self.modules:
+            self.index = streamed_modules.build(self.path, skeleton, slot_numel)
+            cfg = skeleton.config
+        else:
+            self.index = layer_index.build(self.path, cfg.num_hidden_layers,
+                                           bool(getattr(cfg, "tie_word_embeddings", False)), slot_numel)
         # The KV cache is capped at the planned context: the budget was planned for it.
         model_max = getattr(cfg, "max_position_embeddings", None) or 1 << 20
         ResidentTarget._setup(self, cfg, device, dtype, 1024, min(model_max, context) if context else model_max)
@@ -137,7 +146,12 @@ class StreamedTarget:
         self._progress = progress or (lambda what, done, total: None)
         self._place(weight_budget, host_budget)
         rotary = type(skeleton.model.rotary_emb)(config=cfg).to(device)
-        self.impl = StreamedForward(self, cfg, rotary, skeleton.model.layers[0].self_attn.scaling)
+        if self.modules:
+            skeleton.model.rotary_emb = rotary
+            streamed_modules.bind(skeleton, self.index.rest_fields, self.norm)     # the final norm and the like
+            self.impl = streamed_modules.StreamedModulesForward(self, skeleton.eval())
+        else:
+            self.impl = StreamedForward(self, cfg, rotary, skeleton.model.layers[0].self_attn.scaling)
         self._passes, self._pass_seconds = 0, 0.0
         self._retried_oom = False
         self.split_threads = True     # _compute_threads; benchmarks/streamed.py compares without
@@ -161,8 +175,9 @@ class StreamedTarget:
         self.host_ledger = Ledger(host_budget)
         files.open()
         try:
-            self.norm = self.ledger.alloc(idx.norm.numel, self.dtype, self.device)
-            self._load_into(layer_index.Unit("norm", "norm", 0, (idx.norm,), idx.norm.numel), self.norm)
+            rest = idx.norm_unit()
+            self.norm = self.ledger.alloc(rest.numel, self.dtype, self.device)
+            self._load_into(rest, self.norm)
             self.resident: dict[str, torch.Tensor] = {}
             self.resident_views = {}
             self.host: dict[str, torch.Tensor | None] = {}
@@ -172,7 +187,7 @@ class StreamedTarget:
                     flat = self.ledger.alloc(unit.numel, self.dtype, self.device)
                     self._load_into(unit, flat)
                     self.resident[unit.name] = flat
-                    if unit.kind == "layer":
+                    if unit.kind == "layer" and idx.layout is not None:
                         self.resident_views[unit.name] = idx.layout.weights(flat)
                 elif i in self.placement.host:
                     host = self.host_ledger.alloc(unit.file_bytes, torch.uint8, torch.device("cpu"),
@@ -202,7 +217,8 @@ class StreamedTarget:
             flat = self.ledger.alloc(self.index.slot_numel, self.dtype, self.device)
             stage = (self.ledger.alloc(staging, torch.uint8, torch.device("cpu"), pin=self.device.type == "cuda")
                      if staging else None)
-            slots.append(Slot(flat, stage, views=self.index.layout.weights(flat)))
+            views = self.index.layout.weights(flat) if self.index.layout is not None else None
+            slots.append(Slot(flat, stage, views=views))
         return slots
 
     def _load_into(self, unit: layer_index.Unit, flat: torch.Tensor) -> None:
@@ -239,7 +255,8 @@ class StreamedTarget:
         _compute_threads): only on the CPU, only when units are streamed (else no reader
         needs a core), and only if thread_check finds the bits unchanged on this machine."""
         cores = torch.get_num_threads()
-        if self.split is not None or self.device.type != "cpu" or cores < 2 or not self.prefetcher.slots:
+        if self.split is not None or self.device.type != "cpu" or cores < 2 or not self.prefetcher.slots \
+                or self.modules:      # the check covers the Llama-family forward's ops only
             return
         few = max(1, cores - self.filler.readers)
         slot = self.prefetcher.slots[0]          # not in use yet: the reader starts at the first pass
@@ -385,8 +402,9 @@ class StreamedTarget:
                 "resident_layers": p.resident_layers(layers), "units": len(p.units),
                 "streamed_bytes_per_pass": p.streamed_bytes, "weight_budget": self.weight_budget,
                 "held_bytes": self.ledger.held, "prefetch_depth": self.depth,
-                "compute_threads": self.split.reason if self.split else "torch's setting (nothing streamed "
-                                                                         "or not the CPU)"}
+                "compute_threads": self.split.reason if self.split else
+                "torch's setting (transformers' layers)" if self.modules else
+                "torch's setting (nothing streamed or not the CPU)"}
 
 
 def placement(idx: layer_index.StreamIndex, filler: Filler, weight_budget: int, host_budget: int = 0,
@@ -396,7 +414,7 @@ def placement(idx: layer_index.StreamIndex, filler: Filler, weight_budget: int, 
     staging = max(filler.staging_bytes(u) for u in idx.units)
     tied = idx.head.name == idx.embed.name
     embed_bytes = 0 if tied else idx.embed.shape[0] * idx.embed.shape[1] * es
-    return planner.place_streamed([u.numel * es for u in idx.units], idx.slot_numel * es, idx.norm.numel * es,
+    return planner.place_streamed([u.numel * es for u in idx.units], idx.slot_numel * es, idx.norm_unit().numel * es,
                                   embed_bytes, weight_budget, host_budget, depth, staging,
                                   host_units=[u.file_bytes for u in idx.units])
 
@@ -404,8 +422,16 @@ def placement(idx: layer_index.StreamIndex, filler: Filler, weight_budget: int, 
 def minimum_budget(path: Path, device: torch.device, dtype: torch.dtype, depth: int = planner.PREFETCH_DEPTH,
                    slot_numel: int | None = None) -> int:
     """The fewest weight bytes a streamed target of this checkpoint can run in."""
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    idx = layer_index.build(Path(path), cfg["num_hidden_layers"], bool(cfg.get("tie_word_embeddings")), slot_numel)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    if llama_family.can_run(skeleton) is not None:        # transformers' layers, as StreamedTarget runs them
+        idx = streamed_modules.build(Path(path), skeleton, slot_numel)
+    else:
+        idx = layer_index.build(Path(path), cfg.num_hidden_layers, bool(getattr(cfg, "tie_word_embeddings", False)),
+                                slot_numel)
     return placement(idx, Filler(Files([]), device, dtype), 0, 0, depth).min_budget
 
 
