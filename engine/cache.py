@@ -8,6 +8,8 @@ reallocation (doubling) only when a conversation outgrows it, up to the model's 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .errors import ContextFull
@@ -67,6 +69,13 @@ class KVCache:
     def checkpoint(self) -> None:
         """A turn boundary was committed (nothing to keep for a position-indexed cache)."""
 
+    verifying = False          # a speculative verify pass is running (RecurrentCache records it)
+
+    def verify_pass(self):
+        """Around a verify pass of drafted tokens: a position-indexed cache needs nothing
+        (a rollback moves its length)."""
+        return contextlib.nullcontext()
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
@@ -87,21 +96,63 @@ class RecurrentCache(KVCache):
     It never continues from a state that has seen tokens the conversation no longer holds.
 
     `states` are the linear layers' holders (engine/models/hf_forward.py): each can
-    `snapshot()`, `restore(snap)` and `reset()`."""
+    `snapshot()`, `restore(snap)` and `reset()`.
+
+    Speculation: inside `verify_pass()` the recurrent layers leave their committed state
+    alone and record what each verified position would add (engine/models/replay.py). A
+    rollback to any length the pass covered is then allowed; the committed state advances
+    by exactly the kept positions, replayed, when the cache is next used (`settle()`):
+    two rollbacks in a row (rejected drafts, then an accepted stop token) replay once."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.states: list = []
+        self.replays: list = []        # models.replay.LayerReplay per recurrent layer
+        self.replay_capacity = 9       # positions a verify pass records: the engine's max_draft + 1
         self._checkpoint: tuple[int, list] | None = None
+        self._pending: tuple[int, int] | None = None     # (start, positions) of an unsettled verify pass
+
+    @contextlib.contextmanager
+    def verify_pass(self):
+        self.settle()
+        start = self.length
+        self.verifying = True
+        try:
+            yield
+        finally:
+            self.verifying = False
+        self._pending = (start, self.length - start) if self.length > start else None
+
+    def settle(self) -> None:
+        """Advance the committed recurrent states by the positions of the last verify pass
+        the cache still holds (the accepted ones), replayed from their recorded inputs."""
+        if self._pending is None:
+            return
+        start, _ = self._pending
+        self._pending = None
+        for rep in self.replays:
+            rep.commit(self.length - start)
+
+    def reserve(self, new_tokens: int) -> None:
+        self.settle()
+        super().reserve(new_tokens)
 
     def restorable(self, length: int) -> int:
         if length >= self.length:
             return self.length
+        if self._pending is not None and self._pending[0] <= length:
+            return length
         if self._checkpoint is not None and self._checkpoint[0] <= length:
             return self._checkpoint[0]
         return 0
 
     def rollback(self, length: int) -> None:
+        if length == self.length:
+            return
+        if self._pending is not None and self._pending[0] <= length < self.length:
+            KVCache.rollback(self, length)       # settled (replayed) when the cache is next used
+            return
+        self.settle()
         if length == self.length:
             return
         if not 0 <= length < self.length:
@@ -119,6 +170,7 @@ class RecurrentCache(KVCache):
         super().rollback(length)
 
     def checkpoint(self) -> None:
+        self.settle()
         self._checkpoint = (self.length, [state.snapshot() for state in self.states])
 
     def state_bytes(self) -> int:
@@ -126,8 +178,12 @@ class RecurrentCache(KVCache):
         live = sum(state.nbytes() for state in self.states)
         return live * (2 if self._checkpoint is not None else 1)
 
+    def replay_bytes(self) -> int:
+        """Bytes of the replay buffers speculation has allocated (0 before its first pass)."""
+        return sum(rep.nbytes() for rep in self.replays)
+
     def nbytes(self) -> int:
-        return super().nbytes() + self.state_bytes()
+        return super().nbytes() + self.state_bytes() + self.replay_bytes()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

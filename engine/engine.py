@@ -38,9 +38,11 @@ class Engine:
         self.stop_ids = _stop_ids(ckpt.path, tokenizer)
         self.cache_owner: Chat | None = None
         self.plan: planner.Plan | None = None   # the memory plan the model was loaded under
-        # A hybrid's recurrent state cannot take back rejected drafts yet (set_drafter says why)
-        self.drafter = drafter or (NoDrafter() if isinstance(target.cache, RecurrentCache) else NgramDrafter())
+        self.drafter = drafter or (NgramDrafter() if _can_draft(target) else NoDrafter())
         self.max_draft = max_draft
+        if isinstance(target.cache, RecurrentCache):
+            # a verify pass records up to max_draft + 1 positions per recurrent layer (replay.py)
+            target.cache.replay_capacity = max_draft + 1
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
         self.costs = PassCosts()               # measured by every chat, shared by all
         self.compile_note = ""
@@ -55,11 +57,9 @@ class Engine:
         shares its tokenizer). weights: exact | int8 | int4 | auto (int4 for self, else exact)."""
         _check_drafter(kind, draft_model, weights)
         self.drafter_note = ""
-        if kind != "none" and isinstance(self.target.cache, RecurrentCache):
-            # A rejected draft would need the recurrent state rolled back, which this cache
-            # can only do to a turn boundary; replaying the accepted updates is the next step.
-            self.drafter_note = ("a hybrid model (recurrent layers) decodes without a drafter until "
-                                 "speculation replays its state")
+        if kind != "none" and not _can_draft(self.target):
+            self.drafter_note = ("this model's recurrent layers are of a kind speculation cannot roll back "
+                                 "(engine/models/replay.py knows gated delta-nets and short convs)")
             kind = "none"
         if kind == "none":
             self.drafter = NoDrafter()
@@ -83,6 +83,13 @@ class Engine:
                 # token. bf16 where the device has it is what the int8/int4 kernels are fast at.
                 dtarget = load_quantized(dckpt.path, self.device, weights, cache_dir=cache_dir)
             name = dckpt.name + ("" if weights == "exact" else f" ({weights})")
+            if isinstance(dtarget.cache, RecurrentCache):
+                # Its own rejected steps would need the same replay on its own cache: not yet.
+                self.drafter_note = (f"{name} is a hybrid model, which cannot draft yet (its own state would "
+                                     "need rolling back); drafting with n-grams instead")
+                self.drafter = NgramDrafter()
+                self.costs.new_drafter()
+                return
             self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size, dckpt.path)
         self.costs.new_drafter()
         step = getattr(self.target, "compiled", None)
@@ -161,6 +168,13 @@ class Engine:
                 "profile": self.plan.chosen if self.plan else None,
                 "weights": _weights_label(t), "drafter_note": self.drafter_note,
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
+
+
+def _can_draft(target) -> bool:
+    """Whether speculation can take back rejected drafts on this target: any KV cache; a
+    recurrent one when every recurrent layer has a replay (engine/models/replay.py)."""
+    cache = target.cache
+    return not isinstance(cache, RecurrentCache) or len(cache.replays) == len(cache.states) > 0
 
 
 def _compilable(target) -> bool:

@@ -47,6 +47,16 @@ class ModelShape:
     # A hybrid's linear-attention layers: bytes of their conv windows and recurrent states
     # for one conversation (fixed, not per token); the cache keeps one checkpoint copy too.
     state_bytes: int = 0
+    # What a speculative verify pass records per position to replay the accepted updates
+    # (engine/models/replay.py): elements in the activation dtype, and in float32.
+    replay_act: int = 0
+    replay_f32: int = 0
+
+    def replay_bytes(self, max_draft: int, act_bytes: int | None = None) -> int:
+        """The replay buffer of a conversation drafting up to max_draft tokens a round."""
+        if max_draft <= 0:
+            return 0
+        return (max_draft + 1) * (self.replay_act * (act_bytes or self.dtype_bytes) + 4 * self.replay_f32)
 
     @property
     def params(self) -> int:
@@ -102,7 +112,7 @@ class ModelShape:
             linear, extra = _hybrid_params(text, types, number)
             other = vocab * hidden * (1 if tied else 2) + hidden + extra
         return cls(name or text.get("model_type", "model"), layers, hidden, heads, kv, hd, inter, vocab, dt,
-                   linear, other, tied, attn or layers, _state_bytes(text, types, dt))
+                   linear, other, tied, attn or layers, _state_bytes(text, types, dt), *_replay_elems(text, types))
 
     @classmethod
     def from_checkpoint(cls, path: Path, name: str = "") -> "ModelShape":
@@ -134,9 +144,7 @@ class ModelShape:
                 linear += n
             else:
                 other += n
-        return cls(shape.name, shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
-                   shape.intermediate, shape.vocab, dt, linear, other, shape.tied_embeddings,
-                   shape.attention_layers, shape.state_bytes)
+        return replace(shape, dtype_bytes=dt, linear_params=linear, other_params=other)
 
 
 def _layer_types(text: dict, layers: int) -> list[str]:
@@ -200,6 +208,19 @@ def _state_bytes(text: dict, types: list, dtype_bytes: int) -> int:
     vh, vd = text.get("linear_num_value_heads", 0), text.get("linear_value_head_dim", 0)
     conv = (2 * kh * kd + vh * vd) * text.get("linear_conv_kernel_dim", 4) * dtype_bytes
     return linear * (conv + vh * kd * vd * 4)
+
+
+def _replay_elems(text: dict, types: list) -> tuple[int, int]:
+    """Per verified position, what the replay buffer records (activation-dtype elements,
+    float32 elements): per gated delta-net layer its q, k, v after the conv, its rate beta
+    and its raw pre-conv q/k/v columns (for the conv window), and its decay g in float32;
+    per short-conv layer (LFM2) its raw pre-conv columns."""
+    delta = sum(1 for t in types if t == "linear_attention")
+    conv = sum(1 for t in types if t == "conv")
+    kh, kd = text.get("linear_num_key_heads", 0), text.get("linear_key_head_dim", 0)
+    vh, vd = text.get("linear_num_value_heads", 0), text.get("linear_value_head_dim", 0)
+    conv_dim = 2 * kh * kd + vh * vd
+    return delta * (2 * conv_dim + vh) + conv * text.get("hidden_size", 0), delta * vh
 
 
 def _dtype_bytes(name) -> int:
@@ -328,7 +349,8 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     margin = min(p.margin_mib * 2**20, budget // 10)
     # A hybrid's recurrent states (live + the one turn checkpoint) count with the KV cache:
     # per conversation, not per token.
-    state = 2 * shape.state_bytes
+    # Speculation on a hybrid adds the replay buffer of max_draft + 1 positions.
+    state = 2 * shape.state_bytes + shape.replay_bytes(p.max_draft)
     kv = kv_tok * context
     fixed = runtime + kv + state + act + draft_bytes + margin
     weights = shape.weight_bytes(p.weights, p.group_size)

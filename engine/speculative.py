@@ -239,7 +239,10 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
         drafts, q = drafter.propose(history, k, params, gen) if k > 0 else ([], None)
         t1 = time.perf_counter()
         if drafts:
-            logits = target.forward([token] + drafts, all_logits=True)
+            # a hybrid's recurrent layers record this pass instead of committing it
+            # (engine/models/replay.py): the rollbacks below keep only accepted updates
+            with target.cache.verify_pass():
+                logits = target.forward([token] + drafts, all_logits=True)
             if params.greedy:
                 n, nxt = verify_greedy(logits, drafts)
             else:

@@ -141,6 +141,9 @@ def doctor_main(argv: list[str]) -> int:
     threads = _streaming_threads_text(plan, shape, hw, args.context)
     if threads:
         print(threads)
+    replay = _replay_text(plan, shape, profs)
+    if replay:
+        print(replay)
     print(_fidelity_text(fid))
     hint = _self_drafter_hint(plan, shape, settings)
     if hint:
@@ -168,6 +171,22 @@ def _model_shape(model: str | None):
             raise
         return None, entry.shape(), "the built-in catalog's copy of its config.json"
     return ckpt, planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name), "checkpoint"
+
+
+def _replay_text(plan, shape, profs) -> str | None:
+    """For a hybrid: what speculation reserves (the replay buffer, in the state column)
+    against what keeping a recurrent state per draft position would take."""
+    if not shape.state_bytes or not plan.chosen:
+        return None
+    from engine import planner, profiles
+    k = profiles.find(profs, plan.chosen).max_draft
+    replay = shape.replay_bytes(k)
+    if not replay:
+        return None
+    per_position = (k + 1) * shape.state_bytes
+    return (f"Speculation: verify passes of up to {k + 1} tokens record {planner.gb(replay)} to replay the accepted "
+            f"updates (in the state column); a recurrent state per draft position would take "
+            f"{planner.gb(per_position)}, {per_position / replay:.0f}x as much.")
 
 
 def _streaming_threads_text(plan, shape, hw, context: int) -> str | None:

@@ -312,3 +312,26 @@ def test_gauges_say_where_a_streamed_models_weights_live(tiny_llama):
     text = where_weights_live(eng.describe())
     assert "units stay on cpu" in text and "from disk" in text and "a pass" in text
     assert where_weights_live({"device": "cpu"}) == ""
+
+
+def test_a_hybrid_model_chats_with_speculation_and_shows_its_state(tmp_path, tokenizer):
+    """A Qwen3.5-style hybrid in the chat UI: answers stream with n-gram drafting on (its
+    recurrent state replayed), and the memory plan shows the state segment (live state,
+    turn checkpoint, replay buffer)."""
+    from tiny import build_model
+    path = build_model(tmp_path / "hybrid", "qwen3_5", layers=4, tokenizer=tokenizer, seed=2)
+    eng = engine.open(str(path))
+    assert eng.drafter.kind == "ngram"
+
+    async def main():
+        app = ChatApp(loader(eng), Settings(max_tokens=40), save_settings=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await loaded(pilot, app)
+            await send_and_wait(pilot, app, "Repeat: a b c a b c a b c")
+            await send_and_wait(pilot, app, "again")
+            assert len(app.chat.messages) == 4 and app.chat.messages[-1]["content"]
+            await pilot.press("ctrl+g")
+            bar = app.gauges.query_one("PlanBar")
+            assert bar.row is not None and bar.row.state > 0 and "state" in bar.render().plain
+
+    asyncio.run(main())

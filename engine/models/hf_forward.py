@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..cache import KVCache
+from . import replay
 from .llama_family import ALIGN_BYTES, aligned
 
 
@@ -106,6 +107,12 @@ class HFForward:
         linear = [LinearState(layer) for layer in layers if isinstance(layer, LinearAttentionLayer)]
         if linear:
             cache.states = linear                  # an engine.cache.RecurrentCache rolls them back
+            # speculation: verify passes record, the accepted updates are replayed (replay.py)
+            cache.replays = replay.install(model, cache, linear)
+            if len(cache.replays) == len(linear):
+                replay.use_rowwise_attention(model)
+            else:
+                cache.replays = []                 # a recurrent layer of a kind replay does not know
         self.hf_cache = Cache(layers=layers)
         # Every weight starts on 64 bytes, as a streamed slot's views do (matrix-vector
         # kernels may round by alignment: llama_family.ALIGN_BYTES), so a model streamed

@@ -1,6 +1,7 @@
 """The memory plan as a picture: one bar the width of the device budget, a coloured
-segment per term (weights, KV cache, drafter, activations, runtime and margin) and
-what is left free, with a legend of the sizes underneath.
+segment per term (weights, KV cache, a hybrid's recurrent state with its turn checkpoint
+and speculation's replay buffer, drafter, activations, runtime and margin) and what is
+left free, with a legend of the sizes underneath.
 
     ██████████████████▓▓▓▓▒▒░░···························
     weights 538 MB · KV 96 MB · drafter 0 B · act 20 MB · runtime 1.1 GB · free 6.2 GB of 8.0 GB"""
@@ -16,6 +17,7 @@ from ...format import human_bytes
 SEGMENTS = (
     ("weights", ("weights",), "bold #5fafff"),
     ("KV", ("kv",), "#87d787"),
+    ("state", ("state",), "#5fd7af"),      # hybrids only: shown when not 0
     ("drafter", ("drafter",), "#d787d7"),
     ("act", ("activations",), "#ffaf5f"),
     ("runtime", ("runtime", "margin"), "#808080"),
