@@ -69,11 +69,12 @@ class KVCache:
     def checkpoint(self) -> None:
         """A turn boundary was committed (nothing to keep for a position-indexed cache)."""
 
-    verifying = False          # a speculative verify pass is running (RecurrentCache records it)
+    verifying = False          # passes are being recorded (RecurrentCache.record)
 
-    def verify_pass(self):
-        """Around a verify pass of drafted tokens: a position-indexed cache needs nothing
-        (a rollback moves its length)."""
+    def record(self):
+        """Around passes that may be taken back (a verify pass of drafted tokens, a
+        drafter's own steps): a position-indexed cache needs nothing, a rollback moves its
+        length."""
         return contextlib.nullcontext()
 
     def nbytes(self) -> int:
@@ -98,11 +99,12 @@ class RecurrentCache(KVCache):
     `states` are the linear layers' holders (engine/models/hf_forward.py): each can
     `snapshot()`, `restore(snap)` and `reset()`.
 
-    Speculation: inside `verify_pass()` the recurrent layers leave their committed state
-    alone and record what each verified position would add (engine/models/replay.py). A
-    rollback to any length the pass covered is then allowed; the committed state advances
-    by exactly the kept positions, replayed, when the cache is next used (`settle()`):
-    two rollbacks in a row (rejected drafts, then an accepted stop token) replay once."""
+    Speculation: inside `record()` (a verify pass; a drafter's own steps) the recurrent
+    layers leave their committed state alone and record what each position would add
+    (engine/models/replay.py). A rollback to any length the recording covered is then
+    allowed; the committed state advances by exactly the kept positions, replayed, when the
+    cache is next used (`settle()`): two rollbacks in a row (rejected drafts, then an
+    accepted stop token) replay once."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -113,7 +115,7 @@ class RecurrentCache(KVCache):
         self._pending: tuple[int, int] | None = None     # (start, positions) of an unsettled verify pass
 
     @contextlib.contextmanager
-    def verify_pass(self):
+    def record(self):
         self.settle()
         start = self.length
         self.verifying = True
@@ -121,7 +123,7 @@ class RecurrentCache(KVCache):
             yield
         finally:
             self.verifying = False
-        self._pending = (start, self.length - start) if self.length > start else None
+            self._pending = (start, self.length - start) if self.length > start else None
 
     def settle(self) -> None:
         """Advance the committed recurrent states by the positions of the last verify pass

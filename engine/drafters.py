@@ -84,6 +84,8 @@ class ModelDrafter:
         keep = common_prefix(self.ids, history)
         if keep == len(history):
             keep -= 1                    # one token must run to get the next logits
+        # a hybrid drafter's recurrent state goes back only to what it recorded (or the start)
+        keep = self.target.cache.restorable(keep)
         self.target.cache.rollback(keep)
         del self.ids[keep:]
         feed = list(history[keep:])
@@ -101,18 +103,21 @@ class ModelDrafter:
             feed = feed[-1:]
             self.catch_up_seconds = time.perf_counter() - t0
         tokens, dists = [], []
-        for _ in range(k):
-            logits = self.target.forward(feed)[-1]
-            self.ids.extend(feed)
-            logits = _fit_vocab(logits, self.vocab)
-            if params.greedy:
-                tok = int(torch.argmax(logits))
-            else:
-                q = probabilities(logits, params)
-                tok = int(torch.multinomial(q, 1, generator=gen))
-                dists.append(q)
-            tokens.append(tok)
-            feed = [tok]
+        # A hybrid drafter records its steps (its recurrent state cannot be cropped): the
+        # next proposal's rollback to what the target accepted replays only those.
+        with self.target.cache.record():
+            for _ in range(k):
+                logits = self.target.forward(feed)[-1]
+                self.ids.extend(feed)
+                logits = _fit_vocab(logits, self.vocab)
+                if params.greedy:
+                    tok = int(torch.argmax(logits))
+                else:
+                    q = probabilities(logits, params)
+                    tok = int(torch.multinomial(q, 1, generator=gen))
+                    dists.append(q)
+                tokens.append(tok)
+                feed = [tok]
         return tokens, (torch.stack(dists) if dists else None)
 
 

@@ -84,12 +84,15 @@ class Engine:
                 dtarget = load_quantized(dckpt.path, self.device, weights, cache_dir=cache_dir)
             name = dckpt.name + ("" if weights == "exact" else f" ({weights})")
             if isinstance(dtarget.cache, RecurrentCache):
-                # Its own rejected steps would need the same replay on its own cache: not yet.
-                self.drafter_note = (f"{name} is a hybrid model, which cannot draft yet (its own state would "
-                                     "need rolling back); drafting with n-grams instead")
-                self.drafter = NgramDrafter()
-                self.costs.new_drafter()
-                return
+                if not _can_draft(dtarget):
+                    self.drafter_note = (f"{name}: its recurrent layers are of a kind replay does not know; "
+                                         "drafting with n-grams instead")
+                    self.drafter = NgramDrafter()
+                    self.costs.new_drafter()
+                    return
+                # A hybrid drafter records its own steps (replayed on its cache as the
+                # target's are): up to max_draft of them and the two a round starts with.
+                dtarget.cache.replay_capacity = self.max_draft + 2
             self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size, dckpt.path)
         self.costs.new_drafter()
         step = getattr(self.target, "compiled", None)

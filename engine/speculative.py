@@ -241,7 +241,7 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
         if drafts:
             # a hybrid's recurrent layers record this pass instead of committing it
             # (engine/models/replay.py): the rollbacks below keep only accepted updates
-            with target.cache.verify_pass():
+            with target.cache.record():
                 logits = target.forward([token] + drafts, all_logits=True)
             if params.greedy:
                 n, nxt = verify_greedy(logits, drafts)

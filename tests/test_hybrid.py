@@ -150,14 +150,6 @@ def test_a_recurrent_state_never_goes_back_where_it_cannot(hybrid_engine):
     cache.rollback(0)
 
 
-def test_a_hybrid_drafter_model_is_not_used_yet_and_says_so(hybrid, tmp_path):
-    """The target replays its state (test_hybrid_speculative.py); a hybrid *drafter* would
-    need the same on its own cache, which it does not have yet: n-grams draft instead."""
-    eng = engine.open(str(hybrid), drafter="model", draft_model="self", cache_dir=tmp_path)
-    assert eng.drafter.kind == "ngram" and "cannot draft yet" in eng.describe()["drafter_note"]
-    assert list(eng.chat().send("Repeat: a b c a b c a b c", max_new_tokens=8))[-1].reason in ("length", "stop")
-
-
 def test_a_budget_nothing_fits_is_refused_with_the_figures(hybrid):
     with pytest.raises(engine.BadRequest, match="does not fit"):
         engine.open(str(hybrid), memory_budget="20KB")

@@ -137,7 +137,7 @@ def _replay_checks(eng):
     cache.checkpoint()
     addresses = [s.layer.conv_states[0].data_ptr() for s in cache.states]
     drafts = [40, 41, 42, 43, 44]
-    with cache.verify_pass():
+    with cache.record():
         t.forward(drafts, all_logits=True)              # allocates the buffers
     cache.rollback(25)
     cache.settle()
@@ -145,7 +145,7 @@ def _replay_checks(eng):
         for buf in rep.buf.values():
             buf.fill_(float("nan"))
     for m in range(1, len(drafts) + 1):
-        with cache.verify_pass():
+        with cache.record():
             t.forward(drafts, all_logits=True)
         for rep in cache.replays:
             assert all(not torch.isnan(b.narrow(2 if n == "raw" else 1, 0, 5).float()).any()
@@ -205,7 +205,7 @@ def test_the_reserve_the_planner_reports_is_what_is_allocated(hybrid):
     eng.cache_owner = None
     cache.rollback(0)
     t.forward(list(range(5, 30)))
-    with cache.verify_pass():                          # the widest pass: max_draft + 1 positions
+    with cache.record():                          # the widest pass: max_draft + 1 positions
         t.forward(list(range(40, 40 + eng.max_draft + 1)), all_logits=True)
     cache.rollback(25)
     shape = ModelShape.from_checkpoint(hybrid)
@@ -213,3 +213,40 @@ def test_the_reserve_the_planner_reports_is_what_is_allocated(hybrid):
     # far less than a state per draft position
     assert shape.replay_bytes(eng.max_draft, 4) < (eng.max_draft + 1) * shape.state_bytes
     cache.rollback(0)
+
+
+@pytest.mark.parametrize("k", [2, 4, None])
+def test_a_hybrid_drafter_replays_its_own_state(hybrid, tmp_path, k):
+    """A hybrid drafts for a hybrid: its own steps are recorded and, at the next round,
+    rolled back to what the target accepted by replay. Target and drafter are the same
+    int8 weights with the head quantized too, every product row-invariant, so every draft
+    must be accepted (k+1 tokens a pass): a drafter state that kept a rejected token, or
+    lost an accepted one, would propose something else. And --draft-model self runs."""
+    from engine.checkpoint import Checkpoint
+    from engine.drafters import ModelDrafter
+    from engine.targets.quantized import load_quantized
+
+    def int8():
+        return load_quantized(hybrid, torch.device("cpu"), "int8", cache_dir=tmp_path, embeddings=True)
+    tok = engine.engine._load_tokenizer(hybrid)
+    eng = engine.Engine(Checkpoint(hybrid, "tiny", "dir"), tok, int8(), drafter=NoDrafter())
+    eng.stop_ids = frozenset()
+    plain = [_answer(eng, p)[0] for p in PROMPTS]
+    eng.drafter = ModelDrafter(int8(), "self", eng.target.vocab_size)
+    eng.drafter.target.cache.replay_capacity = eng.max_draft + 2
+    eng.draft_tokens = k
+    for p, want in zip(PROMPTS, plain):
+        got, stats = _answer(eng, p)
+        assert got == want
+        if k is not None:
+            assert stats.acceptance == 1.0 and stats.forward_passes == math.ceil(39 / (k + 1))
+    # as a user asks for it: an int4 copy of the hybrid drafting for it
+    user = engine.open(str(hybrid), drafter="model", draft_model="self", cache_dir=tmp_path)
+    assert user.drafter.kind == "model" and not user.describe()["drafter_note"]
+    user.stop_ids = frozenset()
+    user.draft_tokens = 3
+    ref = engine.open(str(hybrid), drafter="none")
+    ref.stop_ids = frozenset()
+    for p in PROMPTS:
+        got, stats = _answer(user, p)
+        assert got == _answer(ref, p)[0] and stats.drafted_tokens > 0

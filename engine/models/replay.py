@@ -47,36 +47,39 @@ class LayerReplay:
         self.final = None             # the working state after all of them
         self.window = None            # the working conv window after all of them
 
-    # -- the buffer (allocated once per size, reused every round)
-    def _slot(self, name: str, like: torch.Tensor, capacity: int, dim: int) -> torch.Tensor:
+    # -- the buffer (allocated once, reused every round; grown, keeping what it holds, only
+    # if a recording outruns it)
+    def _slot(self, name: str, like: torch.Tensor, capacity: int, dim: int, at: int) -> None:
         buf = self.buf.get(name)
-        shape = list(like.shape)
-        shape[dim] = capacity
-        if buf is None or buf.shape[dim] < like.shape[dim] or list(buf.shape) != shape or buf.dtype != like.dtype:
-            shape[dim] = max(capacity, like.shape[dim])
-            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-            self.buf[name] = buf
+        need = at + like.shape[dim]
+        if buf is None or buf.shape[dim] < need or buf.dtype != like.dtype:
+            shape = list(like.shape)
+            shape[dim] = max(capacity, need)
+            grown = torch.empty(shape, dtype=like.dtype, device=like.device)
+            if buf is not None and at:
+                grown.narrow(dim, 0, at).copy_(buf.narrow(dim, 0, at))
+            self.buf[name] = buf = grown
         # a slice view: `buf[idx].copy_(x)` with an index tensor would write into a copy
-        buf.narrow(dim, 0, like.shape[dim]).copy_(like)
-        return buf
+        buf.narrow(dim, at, like.shape[dim]).copy_(like)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buf.values())
 
-    # -- the verify pass
+    # -- a recorded pass: from the committed state, or from where the recording has got to
     def verify(self, hidden_states: torch.Tensor, capacity: int) -> torch.Tensor:
         mod, lay = self.mod, self.state.layer
         B, T, _ = hidden_states.shape
         conv_update, rule = _fns(mod)
+        at = self.positions
+        window = (self.window if at else lay.conv_states[0]).clone()
         if self.kind == "conv":                       # LFM2 short conv: B * x -> conv -> C *
             BCx = mod.in_proj(hidden_states).transpose(-1, -2)
             Bg, Cg, x = BCx.chunk(3, dim=-2)
             raw = Bg * x
-            window = lay.conv_states[0].clone()
             conv = torch.cat([conv_update(raw[:, :, t:t + 1], window, mod.conv.weight.squeeze(1), mod.conv.bias)
                               for t in range(T)], -1)
-            self._slot("raw", raw, capacity, 2)
-            self.positions, self.window = T, window
+            self._slot("raw", raw, capacity, 2, at)
+            self.positions, self.window = at + T, window
             y = (Cg * conv).transpose(-1, -2).contiguous()
             return mod.out_proj(y)
         # a gated delta-net: the module's own projections (Qwen3-Next orders them itself)
@@ -90,7 +93,6 @@ class LayerReplay:
             z = mod.in_proj_z(hidden_states).reshape(B, T, -1, mod.head_v_dim)
             b, a = mod.in_proj_b(hidden_states), mod.in_proj_a(hidden_states)
         raw = mixed.transpose(1, 2)
-        window = lay.conv_states[0].clone()
         w = mod.conv1d.weight.squeeze(1)
         conv = torch.cat([conv_update(raw[:, :, t:t + 1], window, w, mod.conv1d.bias, mod.activation)
                           for t in range(T)], -1).transpose(1, 2)
@@ -100,12 +102,12 @@ class LayerReplay:
         v = v.reshape(B, T, -1, mod.head_v_dim)
         beta = b.sigmoid()
         g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
-        core, final = rule(q, k, v, g=g, beta=beta, initial_state=lay.recurrent_states[0], output_final_state=True,
-                           use_qk_l2norm_in_kernel=True)
+        core, final = rule(q, k, v, g=g, beta=beta, initial_state=self.final if at else lay.recurrent_states[0],
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
         for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            self._slot(name, t, capacity, 1)
-        self._slot("raw", raw, capacity, 2)
-        self.positions, self.final, self.window = T, final, window
+            self._slot(name, t, capacity, 1, at)
+        self._slot("raw", raw, capacity, 2, at)
+        self.positions, self.final, self.window = at + T, final, window
         shape = z.shape
         core = mod.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
         return mod.out_proj(core.reshape(shape).reshape(B, T, -1))
@@ -147,7 +149,7 @@ def install(model: nn.Module, cache, states) -> list[LayerReplay]:
 
         def forward(*args, _rep=rep, _orig=mod.forward, **kw):
             hidden = kw["hidden_states"] if "hidden_states" in kw else args[0]
-            if cache.verifying and hidden.shape[1] > 1:
+            if cache.verifying:
                 return _rep.verify(hidden, cache.replay_capacity)
             return _orig(*args, **kw)
         mod.forward = forward
