@@ -14,7 +14,7 @@ buffer allocated on this model against one recurrent state per draft position, a
 same computed for the catalog's Qwen3-Next-80B-A3B and transformers' default Qwen3.5 text
 config, as ratios. Writes JSON.
 
-    python benchmarks/hybrid_speculative.py [--runs 3] [--tokens 64] [--dtype bfloat16]
+    python benchmarks/hybrid_speculative.py [--runs 3] [--tokens 64] [--dtypes float32,bfloat16]
 """
 from __future__ import annotations
 
@@ -66,18 +66,8 @@ def reserve(shape: ModelShape, k: int, act_bytes: int) -> dict:
             "ratio": per_position / replay if replay else None}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hybrid_speculative.json"))
-    args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    path = build(Path(tempfile.mkdtemp()) / "qwen3_5-1024x16", dtype)
-    eng = engine.open(str(path), dtype=args.dtype, drafter="none")
-    eng.stop_ids = frozenset()                 # random weights: every answer runs its length
-    prompts = [json.loads(line)["prompt"] for line in WORKLOADS.read_text().splitlines() if line.strip()]
+def drafters(eng, prompts: list[str], args) -> list[dict]:
+    """Plain, n-gram and the always-right scripted drafter, interleaved over the workloads."""
     plain = {p: run(eng, p, args.tokens)[0] for p in prompts}
     kinds = {"plain": lambda p: (NoDrafter(), None), "ngram": lambda p: (NgramDrafter(), None),
              "oracle k=4": lambda p: (Oracle(plain[p], len(render_prompt(eng.tokenizer, [
@@ -96,13 +86,32 @@ def main() -> None:
             samples[name]["tps"].append(median(tps))
             samples[name]["per_pass"].append(median(per_pass))
             samples[name]["acceptance"].append(median(acc))
+    eng.drafter, eng.draft_tokens = NoDrafter(), None
     base = median(samples["plain"]["tps"])
-    rows = [{"drafter": name, "decode_tps": median(s["tps"]), "vs_plain": median(s["tps"]) / base,
+    return [{"drafter": name, "decode_tps": median(s["tps"]), "vs_plain": median(s["tps"]) / base,
              "tokens_per_pass": median(s["per_pass"]), "acceptance": median(s["acceptance"]),
              "identical_to_plain": s["identical"]} for name, s in samples.items()]
-    for r in rows:
-        print(r, flush=True)
-    # memory: measured on this model (the widest verify pass, k = max_draft), computed for published shapes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hybrid_speculative.json"))
+    args = ap.parse_args()
+    prompts = [json.loads(line)["prompt"] for line in WORKLOADS.read_text().splitlines() if line.strip()]
+    rows = []
+    for name in [d for d in args.dtypes.split(",") if d]:
+        dtype = getattr(torch, name)
+        path = build(Path(tempfile.mkdtemp()) / "qwen3_5-1024x16", dtype)
+        eng = engine.open(str(path), dtype=name, drafter="none")
+        eng.stop_ids = frozenset()                 # random weights: every answer runs its length
+        rows += [dict(r, dtype=name) for r in drafters(eng, prompts, args)]
+        for r in rows[-3:]:
+            print(r, flush=True)
+    # memory: measured on the last model (the widest verify pass, k = max_draft), computed for published shapes
+    dtype = getattr(torch, name)
     t, cache = eng.target, eng.target.cache
     eng.cache_owner = None
     cache.rollback(0)
@@ -124,7 +133,7 @@ def main() -> None:
     }
     print(measured, published, flush=True)
     print("wrote", write_json(args.out, {"benchmark": "hybrid_speculative", "tokens": args.tokens, "runs": args.runs,
-                                         "dtype": args.dtype, "workloads": len(prompts), "machine": machine(),
+                                         "measured_dtype": name, "workloads": len(prompts), "machine": machine(),
                                          "rows": rows, "reserve_measured": measured,
                                          "reserve_published": published}))
 

@@ -170,6 +170,8 @@ class Engine:
                 "draft_tokens": self.draft_tokens if self.draft_tokens is not None else "adaptive",
                 "profile": self.plan.chosen if self.plan else None,
                 "weights": _weights_label(t), "drafter_note": self.drafter_note,
+                # whether a verify pass's rows are, bit for bit, one-token steps (models/rows.py)
+                "verify_rows": getattr(getattr(t, "impl", None), "rows", None) and t.impl.rows.reason,
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
 
 

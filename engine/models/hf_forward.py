@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..cache import KVCache
-from . import replay
+from . import replay, rows
 from .llama_family import ALIGN_BYTES, aligned
 
 
@@ -84,6 +84,15 @@ class LinearState:
 RECURRENT_TYPES = ("linear_attention", "conv")
 
 
+def _padded_linear(m: torch.nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1]:            # one row: run as two identical rows
+            two = torch.cat([x.reshape(1, -1), x.reshape(1, -1)])
+            return torch.nn.functional.linear(two, m.weight, m.bias)[:1].view(*x.shape[:-1], -1)
+        return torch.nn.functional.linear(x, m.weight, m.bias)
+    return forward
+
+
 def layer_kinds(config) -> list[str]:
     """'attention' or 'linear' (a recurrent state) for each decoder layer (config.layer_types
     where it has them)."""
@@ -114,6 +123,13 @@ class HFForward:
             else:
                 cache.replays = []                 # a recurrent layer of a kind replay does not know
         self.hf_cache = Cache(layers=layers)
+        # One-token steps' products as a verify pass's rows (models/rows.py): dense
+        # nn.Linear layers run a single row as two when this machine's kernels need it.
+        dense = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        self.rows = rows.check([(m.in_features, m.out_features) for m in dense], cache.dtype, cache.device)
+        if self.rows.pad:
+            for m in dense:
+                m.forward = _padded_linear(m)
         # Every weight starts on 64 bytes, as a streamed slot's views do (matrix-vector
         # kernels may round by alignment: llama_family.ALIGN_BYTES), so a model streamed
         # through these same modules computes the very bits this one does.

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import KVCache
-from . import norms
+from . import norms, rows
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 # Passes of up to this many tokens after position 0 attend row by row (see _attend_rowwise).
@@ -84,11 +84,13 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.clone()
 
 
-def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes. A weight
-    that is not a plain tensor (a packed int8/int4 one, targets/quantized.py) brings its own kernel."""
+def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None, pad: bool = False) -> torch.Tensor:
+    """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes; a one-row x
+    run as two rows when `pad` (models/rows.py: so a one-token step's products are a verify
+    pass's rows). A weight that is not a plain tensor (a packed int8/int4 one,
+    targets/quantized.py) brings its own kernel, row-invariant already."""
     if isinstance(w_t, torch.Tensor):
-        return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+        return rows.mm(x, w_t, pad) if bias is None else rows.addmm(bias, x, w_t, pad)
     return w_t.mm(x, bias)
 
 
@@ -121,6 +123,11 @@ class LlamaFamilyForward:
         widths = {cfg.hidden_size, self.head_dim}
         self._fused_rms = {n: norms.fused_matches(n, self.eps, cache.device) for n in widths}
         self._sum_mean = {n: norms.sum_matches_mean(n, cache.device) for n in widths}
+        # Whether one-token steps' products must run as two rows to be a verify pass's rows
+        H, KV, D, h = self.heads, self.kv_heads, self.head_dim, cfg.hidden_size
+        self.rows = rows.check([(h, (H + 2 * KV) * D), (H * D, h), (h, 2 * self.intermediate),
+                                (self.intermediate, h), (h, cfg.vocab_size)], cache.dtype, cache.device)
+        self._pad = self.rows.pad
 
     @staticmethod
     def _take_layer(layer) -> LayerWeights:
@@ -219,7 +226,7 @@ class LlamaFamilyForward:
         return F.embedding(ids, self.embed)
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.head)
+        return _linear(x, self.head, pad=self._pad)
 
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         # Hidden states stay 2-D [T, hidden]: a [1, T, hidden] input makes every linear
@@ -251,7 +258,8 @@ class LlamaFamilyForward:
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         half, inter = D // 2, self.intermediate
         x = self._rms(h, w.ln1)
-        qkv = _linear(x, w.qkv, w.qkv_bias).view(T, H + 2 * KV, D)
+        pad = self._pad
+        qkv = _linear(x, w.qkv, w.qkv_bias, pad).view(T, H + 2 * KV, D)
         if w.q_norm is not None:
             qk = torch.cat([self._rms(qkv[:, :H], w.q_norm), self._rms(qkv[:, H:H + KV], w.k_norm)], 1)
             qk = qk.transpose(0, 1)
@@ -264,6 +272,6 @@ class LlamaFamilyForward:
             o = self._attend_rowwise(qk[None, :H], keys, values, pos)
         else:
             o = self._attend(qk[None, :H], keys, values, mask, causal)
-        h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias)
-        gu = _linear(self._rms(h, w.ln2), w.gate_up)
-        return h + _linear(F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down)
+        h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias, pad)
+        gu = _linear(self._rms(h, w.ln2), w.gate_up, pad=pad)
+        return h + _linear(F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down, pad=pad)

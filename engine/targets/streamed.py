@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import planner
 from ..errors import BadRequest, EngineError, UnsupportedModel
-from ..models import llama_family
+from ..models import llama_family, rows
 from . import layer_index, streamed_modules, thread_check
 from ..cache import KVCache
 from .resident import ResidentTarget
@@ -102,12 +102,13 @@ class StreamedTarget:
         parts = []
         for unit in t.index.head_units:
             flat = t.resident.get(unit.name)
+            pad = t.pad_rows             # as the resident head's product (models/rows.py)
             if flat is not None:
-                parts.append(torch.mm(x, flat[:unit.numel].view(unit.rows, -1).t()))
+                parts.append(rows.mm(x, flat[:unit.numel].view(unit.rows, -1).t(), pad))
                 continue
             slot = t.prefetcher.take(unit)
             try:
-                parts.append(torch.mm(x, slot.flat[:unit.numel].view(unit.rows, -1).t()))
+                parts.append(rows.mm(x, slot.flat[:unit.numel].view(unit.rows, -1).t(), pad))
             finally:
                 t.prefetcher.give(slot)
         return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
@@ -152,6 +153,7 @@ class StreamedTarget:
             self.impl = streamed_modules.StreamedModulesForward(self, skeleton.eval())
         else:
             self.impl = StreamedForward(self, cfg, rotary, skeleton.model.layers[0].self_attn.scaling)
+        self.pad_rows = self.impl.rows.pad        # one-row products as two (models/rows.py)
         self._passes, self._pass_seconds = 0, 0.0
         self._retried_oom = False
         self.split_threads = True     # _compute_threads; benchmarks/streamed.py compares without
@@ -279,7 +281,7 @@ class StreamedTarget:
         finally:
             impl.cache = real
         x = impl._rms(out, self.norm)
-        heads = [torch.mm(x, slot.flat[:u.numel].view(u.rows, -1).t()) for u in self.index.head_units]
+        heads = [rows.mm(x, slot.flat[:u.numel].view(u.rows, -1).t(), self.pad_rows) for u in self.index.head_units]
         return torch.cat([out.float().view(-1)] + [t.float().view(-1) for t in heads])
 
     def _compute_threads(self, positions: int) -> int | None:
