@@ -69,6 +69,9 @@ class KVCache:
     def checkpoint(self) -> None:
         """A turn boundary was committed (nothing to keep for a position-indexed cache)."""
 
+    def settle(self) -> None:
+        """Make what a recording kept committed now (a position-indexed cache has nothing to do)."""
+
     verifying = False          # passes are being recorded (RecurrentCache.record)
 
     def record(self):

@@ -250,6 +250,16 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
             target.cache.rollback(start + 1 + n)    # forget the rejected drafts
         else:
             n, nxt = 0, next_token(decode_one_token(target, token), params, gen)
+        out = drafts[:n] + [nxt]
+        for i, t in enumerate(out):
+            if t in stop_ids:                       # an accepted draft may end the answer
+                out = out[:i + 1]
+                break
+        history.extend(out[:-1])
+        target.cache.rollback(len(history))
+        # A hybrid replays the accepted updates now, so the pass's time includes it and the
+        # adaptive k weighs it (drafting that does not pay then picks k = 0).
+        target.cache.settle()
         t2 = time.perf_counter()
         # The drafter's catch-up (a prefill of what it missed) is not a per-token cost.
         catch_up = getattr(drafter, "catch_up_seconds", 0.0) if k > 0 else 0.0
@@ -259,13 +269,6 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
         counts.accepted += n
         counts.k = k
         counts.drafted_hist[len(drafts)] = counts.drafted_hist.get(len(drafts), 0) + 1
-        out = drafts[:n] + [nxt]
-        for i, t in enumerate(out):
-            if t in stop_ids:                       # an accepted draft may end the answer
-                out = out[:i + 1]
-                break
-        history.extend(out[:-1])
-        target.cache.rollback(len(history))
         produced += len(out)
         token = out[-1]
         yield out

@@ -159,17 +159,21 @@ def doctor_main(argv: list[str]) -> int:
 def _model_shape(model: str | None):
     """(checkpoint or None, shape, where the shape came from). A hub model that is not
     downloaded (offline, or not fetched yet) is planned from the built-in catalog's copy
-    of its config.json when the catalog knows it."""
+    of its config.json when the catalog knows it, else from its config.json on the hub."""
     from engine import checkpoint, planner
     from engine.errors import ModelNotFound
-    from . import catalog
-    try:
-        ckpt = checkpoint.resolve(model)
-    except ModelNotFound:
-        entry = catalog.find(model) if model else None
-        if entry is None or entry.repo is None:
-            raise
-        return None, entry.shape(), "the built-in catalog's copy of its config.json"
+    from . import catalog, hub, wizard
+    # A hub model is looked up in the local cache only: doctor never downloads weights.
+    if hub.is_repo_id(model) and wizard.cached(model) is None:
+        entry = catalog.find(model)
+        if entry is not None and entry.repo is not None:
+            return None, entry.shape(), "the built-in catalog's copy of its config.json"
+        shape, why = hub.config_shape(model)
+        if shape is None:
+            raise ModelNotFound(f"{model}: not downloaded, and {why}; run `localchat setup --model {model}` "
+                                "when online, or give a local path")
+        return None, shape, "its config.json on the hub"
+    ckpt = checkpoint.resolve(model)
     return ckpt, planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name), "checkpoint"
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 from engine import RUNNABLE   # the profiles this engine has targets for: only those are offered
 
 from .argparsing import Parser
-from . import catalog
+from . import catalog, hub
 from . import config as config_mod
 from .common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error
 from .format import human_bytes
@@ -223,6 +223,19 @@ def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None
         else:
             drafter_choice = _ask_drafter(ask, say, suggested)
         drafter, draft_model = _drafter_settings(drafter_choice, suggested)
+        # --- a hub model the catalog does not know: planned from its config.json before
+        # anything large is fetched
+        if entry is None and model is not None and hub.is_repo_id(model) and cached(model) is None:
+            shape, why = hub.config_shape(model)
+            if shape is None:
+                say(f"{model}: {why}; it is planned once downloaded (`localchat doctor`).")
+            else:
+                from engine.planner import make_plan
+                plan = make_plan(shape, hw, profiles, context=context, runnable=RUNNABLE, bandwidth=bandwidth)
+                say(f"{model}: {shape.params / 1e9:.2f} B parameters (its config.json): {plan.reason}")
+                if plan.chosen is None:
+                    error(f"{model} does not fit this machine: {plan.reason} Pick a smaller model; nothing written")
+                    return EXIT_FAIL
         # --- the disk
         need = 0
         for name in (model, draft_model):

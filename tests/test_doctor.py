@@ -66,3 +66,41 @@ def test_sizes_print_with_enough_figures_to_differ():
         planner.make_plan(shape, short, profiles.builtin(), context=64, force="resident-exact")
     need, budget = str(err.value).split("needs ")[1].split(": short")[0].split(" but the budget is ")
     assert need != budget, str(err.value)
+
+
+def _hub_cache_with_only_a_config(tmp_path, tokenizer, repo="acme/tiny-hybrid"):
+    """A Hugging Face hub cache (its real layout) holding a hybrid's config.json and no
+    weights: what a machine has after huggingface-hub fetched only that file."""
+    import shutil
+    from tiny import build_model
+    src = build_model(tmp_path / "src", "qwen3_5", layers=4, tokenizer=tokenizer, seed=1)
+    cache = tmp_path / "hub"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(rev)
+    (folder / "snapshots" / rev).mkdir(parents=True)
+    shutil.copy(src / "config.json", folder / "snapshots" / rev / "config.json")
+    return cache, src
+
+
+def test_doctor_and_setup_plan_a_hub_model_from_its_config_alone(tmp_path, tokenizer):
+    """A hub model the catalog does not know is planned from its config.json (a few KB),
+    never by downloading its weights: doctor shows the hybrid's state column, setup says
+    what fits before it fetches anything and refuses a model that fits nothing."""
+    cache, src = _hub_cache_with_only_a_config(tmp_path, tokenizer)
+    env = {"HF_HUB_CACHE": str(cache)}
+    proc = run_doctor("--model", "acme/tiny-hybrid", env=env)
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, proc.stderr
+    assert "Planned from its config.json on the hub" in out
+    assert any(line.startswith("profile") and " state " in line for line in out.splitlines())   # a hybrid's column
+    planned = planner.ModelShape.from_config(json.loads((src / "config.json").read_text()))
+    assert f"{planned.params / 1e6:.1f} M parameters" in out
+    setup = [sys.executable, "-m", "localchat", "setup", "--model", "acme/tiny-hybrid", "--yes"]
+    run = dict(os.environ, HF_HUB_OFFLINE="1", **env)
+    proc = subprocess.run(setup, capture_output=True, timeout=240, env=run)
+    assert "(its config.json): resident-exact" in proc.stdout.decode()
+    assert proc.returncode != 0 and b"acme/tiny-hybrid" in proc.stderr    # the weights cannot be fetched offline
+    proc = subprocess.run(setup + ["--vram", "50KB"], capture_output=True, timeout=240, env=run)
+    assert proc.returncode == 1 and b"does not fit this machine" in proc.stderr

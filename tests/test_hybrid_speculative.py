@@ -262,3 +262,42 @@ def test_a_hybrid_drafter_replays_its_own_state(hybrid, tmp_path, k):
     for p in PROMPTS:
         got, stats = _answer(user, p)
         assert got == _answer(ref, p)[0] and stats.drafted_tokens > 0
+
+
+def test_sampled_verification_through_the_recorded_pass_keeps_p(hybrid):
+    """Sampling: 3000 rounds of one drafted token (drawn from a q unlike p) verified by a
+    recorded pass on the real cache, each rolled back to the same committed state; the
+    emitted token follows the target's p (chi-square over its top tokens and the rest),
+    and the committed state is untouched by all of them."""
+    from engine.sampling import SamplingParams, probabilities
+    from engine.speculative import verify_sampled
+    with torch.inference_mode():
+        eng = engine.open(str(hybrid), drafter="none")
+        t, cache = eng.target, eng.target.cache
+        eng.cache_owner = None
+        cache.rollback(0)
+        prefix = list(range(5, 30))
+        t.forward(prefix)
+        cache.checkpoint()
+        before = _states(t)
+        params = SamplingParams(temperature=1.5, seed=0)
+        p = probabilities(t.forward([31], all_logits=True)[0], params)     # plain: the token after 31
+        cache.rollback(len(prefix))                     # back to the prefix via its checkpoint
+        top = torch.topk(p, 5).indices
+        q = torch.full_like(p, 1.0 / p.numel())         # a uniform drafter
+        gen = torch.Generator().manual_seed(1234)
+        counts, N = torch.zeros(6), 3000
+        for _ in range(N):
+            x = int(torch.multinomial(q, 1, generator=gen))
+            with cache.record():
+                logits = t.forward([31, x], all_logits=True)
+            n, nxt = verify_sampled(logits, [x], q.view(1, -1), params, gen)
+            first = x if n == 1 else nxt
+            cache.rollback(len(prefix))                 # inside the recording: nothing committed
+            hit = (top == first).nonzero()
+            counts[int(hit[0]) if hit.numel() else 5] += 1
+        want = torch.cat([p[top], (1 - p[top].sum()).view(1)]) * N
+        chi2 = float(((counts - want) ** 2 / want).sum())
+        assert chi2 < 20.52, (chi2, counts, want)      # df = 5, p = 0.001
+        cache.settle()
+        assert all(torch.equal(a, b) for s0, s1 in zip(before, _states(t)) for a, b in zip(s0, s1) if a is not None)

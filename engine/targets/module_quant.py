@@ -87,7 +87,10 @@ class PackedExperts(nn.Module):
 
 
 class ModuleSource:
-    """The checkpoint's tensors by the names the text-only model gives them."""
+    """The checkpoint's tensors by the names the text-only model gives them, read a row
+    range at a time. Each read opens the file, copies the rows out and closes it, so the
+    pages it touched leave the process: a reader of a model larger than RAM holds what it
+    is working on and nothing more."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -116,6 +119,7 @@ class ModuleSource:
             raise CheckpointError(f"{e.file}: cannot read {e.name} ({exc}); re-download the model") from None
 
     def quantized(self, model_name: str, fmt: str, group: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Quantize one [N, K] checkpoint matrix, chunk by chunk of rows."""
         N, K = self.entry(model_name).shape
         step = max(16, (qweights._CHUNK // K) // 16 * 16)
         return qweights.concat([qweights.quantize(self.rows(model_name, a, min(N, a + step)), fmt, group, dtype)

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from .. import hardware
 from ..cache import KVCache
-from ..checkpoint import TensorEntry, default_cache_dir, tensor_index
+from ..checkpoint import default_cache_dir
 from ..errors import BadRequest, CheckpointError, UnsupportedModel
 from ..models import hf_forward, llama_family
 from . import module_quant, qweights
@@ -195,47 +194,18 @@ def _load_modules(path: Path, cfg, device, weights: str, group_size: int, act_dt
     return target
 
 
-class _Source:
-    """The checkpoint's tensors by name, read a row range at a time. Each read opens the
-    file, copies the rows out and closes it, so the pages it touched leave the process:
-    a reader of a model larger than RAM holds what it is working on and nothing more."""
+class _Source(module_quant.ModuleSource):
+    """The checkpoint's tensors by name, read a row range at a time (ModuleSource), checked
+    to be a Llama-family checkpoint in the Hugging Face layout."""
 
     def __init__(self, path: Path, cfg):
-        self.path = path
-        self.index: dict[str, TensorEntry] = tensor_index(path)
+        super().__init__(path)
         self.layers = cfg.num_hidden_layers
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False)) or "lm_head.weight" not in self.index
         for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"):
             if name not in self.index:
                 raise CheckpointError(f"{path}: no tensor {name} in the safetensors files; "
                                       "this is not a Llama-family checkpoint in the Hugging Face layout")
-
-    def entry(self, name: str) -> TensorEntry:
-        e = self.index.get(name)
-        if e is None:
-            raise CheckpointError(f"{self.path}: tensor {name} is missing from the safetensors files; "
-                                  "re-download the model")
-        return e
-
-    def has(self, name: str) -> bool:
-        return name in self.index
-
-    def rows(self, name: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
-        e = self.entry(name)
-        try:
-            with safe_open(e.file, framework="pt") as fh:
-                if a is None:
-                    return fh.get_tensor(name).clone()
-                return fh.get_slice(name)[a:b]
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(f"{e.file}: cannot read {name} ({exc}); re-download the model") from None
-
-    def quantized(self, name: str, fmt: str, group: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Quantize one [N, K] checkpoint matrix, chunk by chunk of rows."""
-        N, K = self.entry(name).shape
-        step = max(16, (qweights._CHUNK // K) // 16 * 16)
-        return qweights.concat([qweights.quantize(self.rows(name, a, min(N, a + step)), fmt, group, dtype)
-                                for a in range(0, N, step)])
 
     def converted(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A whole tensor in `dtype`, converted chunk by chunk (an embedding table can be
