@@ -162,9 +162,9 @@ def _model_shape(model: str | None):
     of its config.json when the catalog knows it, else from its config.json on the hub."""
     from engine import checkpoint, planner
     from engine.errors import ModelNotFound
-    from . import catalog, hub, wizard
+    from . import catalog, hub
     # A hub model is looked up in the local cache only: doctor never downloads weights.
-    if hub.is_repo_id(model) and wizard.cached(model) is None:
+    if hub.is_repo_id(model) and hub.cached(model) is None:
         entry = catalog.find(model)
         if entry is not None and entry.repo is not None:
             return None, entry.shape(), "the built-in catalog's copy of its config.json"

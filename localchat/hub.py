@@ -12,6 +12,20 @@ def is_repo_id(name: str | None) -> bool:
         and not name.endswith(".gguf") and not Path(name).expanduser().exists()
 
 
+def cached(repo: str):
+    """The repo's complete snapshot in the Hugging Face cache (a Path), or None."""
+    from pathlib import Path
+
+    from engine.checkpoint import HUB_PATTERNS, validate_dir
+    try:
+        from huggingface_hub import snapshot_download
+        path = Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS, local_files_only=True))
+        validate_dir(path)
+        return path
+    except Exception:           # noqa: BLE001 — not cached, incomplete (engine.CheckpointError), no hub library
+        return None
+
+
 def config_shape(repo: str):
     """(ModelShape, None) planned from the repo's config.json, or (None, why not)."""
     from engine.errors import EngineError

@@ -22,6 +22,7 @@ from engine import RUNNABLE   # the profiles this engine has targets for: only t
 
 from .argparsing import Parser
 from . import catalog, hub
+from .hub import cached
 from . import config as config_mod
 from .common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error
 from .format import human_bytes
@@ -126,18 +127,6 @@ def is_local(name: str) -> bool:
 
 def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def cached(repo: str) -> Path | None:
-    """The repo's complete snapshot in the Hugging Face cache, or None."""
-    from engine.checkpoint import HUB_PATTERNS, validate_dir
-    try:
-        from huggingface_hub import snapshot_download
-        path = Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS, local_files_only=True))
-        validate_dir(path)
-        return path
-    except Exception:           # not cached, incomplete (engine.CheckpointError), no hub library
-        return None
 
 
 def remote_size(repo: str) -> int | None:
