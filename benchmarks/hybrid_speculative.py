@@ -4,6 +4,8 @@ workloads of ../shared/bench/workloads.jsonl, interleaved in one run:
 
 - plain decoding (no drafter);
 - n-gram drafting (what `auto` gives a hybrid);
+- an int4 copy of the model drafting for it (`--draft-model self`: a hybrid drafter, its own
+  state replayed too);
 - a scripted drafter that proposes plain decoding's own answer (always right): the ceiling
   the verify-and-replay machinery allows at k = 4, since a random-weight model gives an
   n-gram drafter little to find.
@@ -33,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import engine  # noqa: E402
 from common import machine, median, write_json  # noqa: E402
-from engine.drafters import NgramDrafter, NoDrafter  # noqa: E402
+from engine.drafters import ModelDrafter, NgramDrafter, NoDrafter  # noqa: E402
 from engine.planner import ModelShape  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
 from hybrid import build  # noqa: E402
@@ -69,7 +71,14 @@ def reserve(shape: ModelShape, k: int, act_bytes: int) -> dict:
 def drafters(eng, prompts: list[str], args) -> list[dict]:
     """Plain, n-gram and the always-right scripted drafter, interleaved over the workloads."""
     plain = {p: run(eng, p, args.tokens)[0] for p in prompts}
+    # an int4 copy of the hybrid drafting for it (its own state replayed as the target's is)
+    from engine.targets.quantized import load_quantized
+    cache_dir = Path(tempfile.mkdtemp())
+    self_int4 = ModelDrafter(load_quantized(eng.checkpoint.path, eng.device, "int4", cache_dir=cache_dir),
+                             "self (int4)", eng.target.vocab_size)
+    self_int4.target.cache.replay_capacity = eng.max_draft + 2
     kinds = {"plain": lambda p: (NoDrafter(), None), "ngram": lambda p: (NgramDrafter(), None),
+             "self int4": lambda p: (self_int4, None),
              "oracle k=4": lambda p: (Oracle(plain[p], len(render_prompt(eng.tokenizer, [
                  {"role": "user", "content": p}]))), 4)}
     samples = {k: {"tps": [], "per_pass": [], "acceptance": [], "identical": True} for k in kinds}
@@ -108,7 +117,7 @@ def main() -> None:
         eng = engine.open(str(path), dtype=name, drafter="none")
         eng.stop_ids = frozenset()                 # random weights: every answer runs its length
         rows += [dict(r, dtype=name) for r in drafters(eng, prompts, args)]
-        for r in rows[-3:]:
+        for r in rows[-4:]:
             print(r, flush=True)
     # memory: measured on the last model (the widest verify pass, k = max_draft), computed for published shapes
     dtype = getattr(torch, name)
