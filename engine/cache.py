@@ -115,7 +115,7 @@ class RecurrentCache(KVCache):
         self.replays: list = []        # models.replay.LayerReplay per recurrent layer
         self.replay_capacity = 9       # positions a verify pass records: the engine's max_draft + 1
         self._checkpoint: tuple[int, list] | None = None
-        self._pending: tuple[int, int] | None = None     # (start, positions) of an unsettled verify pass
+        self._pending: int | None = None     # where an unsettled recording started
 
     @contextlib.contextmanager
     def record(self):
@@ -126,15 +126,14 @@ class RecurrentCache(KVCache):
             yield
         finally:
             self.verifying = False
-            self._pending = (start, self.length - start) if self.length > start else None
+            self._pending = start if self.length > start else None
 
     def settle(self) -> None:
         """Advance the committed recurrent states by the positions of the last verify pass
         the cache still holds (the accepted ones), replayed from their recorded inputs."""
         if self._pending is None:
             return
-        start, _ = self._pending
-        self._pending = None
+        start, self._pending = self._pending, None
         for rep in self.replays:
             rep.commit(self.length - start)
 
@@ -145,7 +144,7 @@ class RecurrentCache(KVCache):
     def restorable(self, length: int) -> int:
         if length >= self.length:
             return self.length
-        if self._pending is not None and self._pending[0] <= length:
+        if self._pending is not None and self._pending <= length:
             return length
         if self._checkpoint is not None and self._checkpoint[0] <= length:
             return self._checkpoint[0]
@@ -154,7 +153,7 @@ class RecurrentCache(KVCache):
     def rollback(self, length: int) -> None:
         if length == self.length:
             return
-        if self._pending is not None and self._pending[0] <= length < self.length:
+        if self._pending is not None and self._pending <= length < self.length:
             KVCache.rollback(self, length)       # settled (replayed) when the cache is next used
             return
         self.settle()

@@ -126,28 +126,33 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
     device = torch.device(device)
     act_dtype = act_dtype or hardware.default_dtype(device, torch.bfloat16)
     cfg, skeleton, why_not = _skeleton(path)
-    if why_not is not None:
-        # Not a model the Llama-family forward runs (a hybrid, another architecture):
-        # transformers' modules over packed weights (module_quant.py).
-        return _load_modules(path, cfg, device, weights, group_size, act_dtype, cache_dir, progress,
-                             embeddings, t0)
-    src = _Source(path, cfg)
-    _check_shapes(src, weights, group_size, embeddings)
     group = group_size if weights == "int4" else None
     settings = {"source": source_identity(path), "weights": weights, "group": group,
                 "act_dtype": str(act_dtype), "embeddings": embeddings}
+    if why_not is not None:
+        settings["layout"] = "modules"          # a cache of the other layout is not this one's
     cache = QuantCache(cache_path(Path(cache_dir) if cache_dir else default_cache_dir(), path, weights,
                                   group_size, act_dtype, embeddings), settings)
     progress = progress or (lambda what, done, total: None)
-    parts = _load_cached(cache, cfg, device, act_dtype, weights, group_size, progress)
-    hit = parts is not None
-    if not hit:
-        parts = quantize_checkpoint(src, cache, device, act_dtype, weights, group_size, embeddings, progress)
-    rotary = type(skeleton.model.rotary_emb)(config=cfg).to(device)
-    info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0,
-                     qweights._int8_kernel_works(device, act_dtype), qweights._int4_kernel_works(device, act_dtype))
-    target = QuantizedTarget(cfg, device, act_dtype,
-                             dict(parts, rotary=rotary, scaling=skeleton.model.layers[0].self_attn.scaling), info)
+    kernels = (qweights._int8_kernel_works(device, act_dtype), qweights._int4_kernel_works(device, act_dtype))
+    if why_not is not None:
+        # Not a model the Llama-family forward runs (a hybrid, another architecture):
+        # transformers' modules over packed weights (module_quant.py).
+        model, hit = module_quant.load(path, cfg, device, weights, group_size, act_dtype, cache, embeddings,
+                                       progress)
+        info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels)
+        target = QuantizedTarget.over_modules(model, device, act_dtype, info)
+    else:
+        src = _Source(path, cfg)
+        _check_shapes(src, weights, group_size, embeddings)
+        parts = _load_cached(cache, cfg, device, act_dtype, weights, group_size, progress)
+        hit = parts is not None
+        if not hit:
+            parts = quantize_checkpoint(src, cache, device, act_dtype, weights, group_size, embeddings, progress)
+        rotary = type(skeleton.model.rotary_emb)(config=cfg).to(device)
+        info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels)
+        target = QuantizedTarget(cfg, device, act_dtype,
+                                 dict(parts, rotary=rotary, scaling=skeleton.model.layers[0].self_attn.scaling), info)
     # How to load this target again (from the cache just made: engine/compile/builder.py).
     target.recipe = {"loader": "quantized", "path": str(path), "device": str(device), "weights": weights,
                      "group_size": group_size, "act_dtype": str(act_dtype).removeprefix("torch."),
@@ -174,24 +179,6 @@ def _skeleton(path: Path):
         raise UnsupportedModel(f"{path}: {cfg.model_type!r} is not a causal language model transformers can "
                                "build; pick another model") from None
     return cfg, skeleton, llama_family.can_run(skeleton)
-
-
-def _load_modules(path: Path, cfg, device, weights: str, group_size: int, act_dtype, cache_dir, progress,
-                  embeddings: bool, t0: float) -> "QuantizedTarget":
-    group = group_size if weights == "int4" else None
-    settings = {"source": source_identity(path), "weights": weights, "group": group,
-                "act_dtype": str(act_dtype), "embeddings": embeddings, "layout": "modules"}
-    cache = QuantCache(cache_path(Path(cache_dir) if cache_dir else default_cache_dir(), path, weights,
-                                  group_size, act_dtype, embeddings), settings)
-    model, hit = module_quant.load(path, cfg, device, weights, group_size, act_dtype, cache, embeddings,
-                                   progress or (lambda what, done, total: None))
-    info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0,
-                     qweights._int8_kernel_works(device, act_dtype), qweights._int4_kernel_works(device, act_dtype))
-    target = QuantizedTarget.over_modules(model, device, act_dtype, info)
-    target.recipe = {"loader": "quantized", "path": str(path), "device": str(device), "weights": weights,
-                     "group_size": group_size, "act_dtype": str(act_dtype).removeprefix("torch."),
-                     "embeddings": embeddings, "cache_dir": str(cache_dir) if cache_dir else None}
-    return target
 
 
 class _Source(module_quant.ModuleSource):
