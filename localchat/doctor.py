@@ -118,7 +118,7 @@ def doctor_main(argv: list[str]) -> int:
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
-    from engine.compile import package_dirs
+    from engine.compile import package_dirs, proof
     steps = package_dirs.cached_steps(checkpoint.default_cache_dir())
     if args.json:
         out = {"hardware": _hw_dict(hw), "model": {"name": shape.name, "path": str(ckpt.path) if ckpt else None,
@@ -126,7 +126,8 @@ def doctor_main(argv: list[str]) -> int:
                                                    "planned_from": planned_from},
                "bandwidth": read,
                "plan": plan.as_dict(), "fidelity": {k: v.as_dict() for k, v in fid.items()},
-               "compiled_steps": [{"path": str(p), "bytes": n} for p, n in steps]}
+               "compiled_steps": [{"path": str(p), "bytes": n,
+                                   **({"proof": proof.read(p)} if p.name == "step.pt2" else {})} for p, n in steps]}
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print(_hw_text(hw))
@@ -153,6 +154,10 @@ def doctor_main(argv: list[str]) -> int:
         print(f"Compiled decode steps: {n_steps} built, {len(steps) - n_steps} verify passes, "
               f"{human_bytes(sum(n for _, n in steps))} in {steps[0][0].parent.parent} "
               "(a step holds a copy of its model's weights; delete a folder to reclaim it)")
+        for p, _ in steps:
+            if p.name == "step.pt2":
+                what = (package_dirs.lineage_of(p.parent) or p.parent.name).replace("|", " · ")
+                print(f"  {what}: {proof.describe(proof.read(p))}")
     return EXIT_OK
 
 

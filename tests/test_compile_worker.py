@@ -18,6 +18,13 @@ from engine.compile import worker as compile_worker
 from waiting import wait_until
 
 
+@pytest.fixture(autouse=True)
+def _idle_worker():
+    """These tests watch the one compile thread: what earlier tests queued on it (their
+    steps' races, engine/compile/proof.py) finishes first."""
+    wait_until(lambda: not compile_worker.busy(), 300)
+
+
 class BusyCompile(compiled.CompiledStep):
     """Stands in for the compiler's Python work (allocating all the time) on the real
     compile thread, counting how far it got."""

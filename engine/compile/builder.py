@@ -41,9 +41,10 @@ def room_needed(weight_bytes: int) -> int:
     return int(weight_bytes * 2.2) + (512 << 20)
 
 
-def build(recipe: dict, path: Path, mode: str, rows: int, private_cache: bool) -> None:
+def build(recipe: dict, path: Path, mode: str, rows: int, private_cache: bool) -> dict:
     """Build the package of a pass of `rows` positions at `path` in a child process; returns
-    when it is there, raises RuntimeError with the child's reason when it is not."""
+    when it is there, with how its timings went (quiet.Record.as_dict), and raises
+    RuntimeError with the child's reason when it is not."""
     from . import exported
     path.parent.mkdir(parents=True, exist_ok=True)
     spec = {"recipe": recipe, "path": str(path), "mode": mode, "rows": rows, "private_cache": private_cache,
@@ -51,6 +52,7 @@ def build(recipe: dict, path: Path, mode: str, rows: int, private_cache: bool) -
     fd, err_name = tempfile.mkstemp(prefix=f"localchat-build-{os.getpid()}-", suffix=".err")
     os.close(fd)
     spec["error_file"] = err_name
+    spec["report_file"] = err_name + ".json"
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)    # where `engine` is importable from
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
@@ -69,8 +71,13 @@ def build(recipe: dict, path: Path, mode: str, rows: int, private_cache: bool) -
             raise RuntimeError(why or f"the build process ended with status {rc}")
         if not path.exists():
             raise RuntimeError("the build process left no package")
+        try:
+            return json.loads(Path(spec["report_file"]).read_text())
+        except (OSError, ValueError):
+            return {}
     finally:
         os.unlink(err_name)
+        Path(spec["report_file"]).unlink(missing_ok=True)
         exported._sweep(path.parent)              # what a killed child left
 
 
@@ -155,13 +162,16 @@ def main(argv: list[str]) -> int:
     _watch_parent(spec["parent"])
     os.nice(NICE)
     try:
-        from . import exported
+        from . import exported, quiet
         target = load(spec["recipe"])
         impl = target.impl
         exported.as_parameters(impl)
         impl._rope(0, target.cache.capacity, impl.norm)
-        exported.build(impl, target.cache.k + target.cache.v, Path(spec["path"]), spec["mode"],
-                       private_cache=spec["private_cache"], rows=spec["rows"])
+        # The chat that started this build is not "others": its answers stop the build.
+        with quiet.steady_timings(exclude=(spec["parent"],)) as record:
+            exported.build(impl, target.cache.k + target.cache.v, Path(spec["path"]), spec["mode"],
+                           private_cache=spec["private_cache"], rows=spec["rows"])
+        Path(spec["report_file"]).write_text(json.dumps(record.as_dict()))
     except BaseException as exc:              # the parent reports it (one line) and falls back
         text = str(exc).strip()
         Path(spec["error_file"]).write_text(f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}")

@@ -38,7 +38,7 @@ import torch
 
 from .. import hardware
 from ..cache import KVCache
-from . import builder, exported, package_dirs
+from . import builder, exported, package_dirs, proof, quiet
 from . import worker
 
 MODE = "max-autotune-unfused"            # engine/compile/exported.py MODES; torch.compile runs "default"
@@ -46,6 +46,10 @@ MODE = "max-autotune-unfused"            # engine/compile/exported.py MODES; tor
 # built or loaded). On a small CPU a verify pass's GEMMs are the same BLAS calls either way
 # and the rows amortise the eager overhead, so the two can be even: then eager is kept.
 PASS_GAIN = 0.97
+# A step is raced, and rebuilt if it falls short (engine/compile/proof.py), once the machine
+# is quiet: the worker looks for a quiet moment this long, then queues the job again.
+QUIET_WAIT_S = 2.0
+RACE_TRIES = 30                  # then the step stays unproven for this start
 STATES = ("off", "compiling", "ready", "failed")
 # Packages are built in a child process where one can (engine/compile/builder.py); False builds in
 # this process, as a target without a recipe (one not made by the loaders) always does.
@@ -98,6 +102,16 @@ class CompiledStep:
         self._passes_done = threading.Event()
         self._gave_up: set[int] = set()          # buckets that failed, lost their race, or were not cached
         self.pass_ms: dict[int, tuple[float, float]] = {}   # rows -> (eager, compiled) ms, as raced
+        # The step's proof (engine/compile/proof.py): raced when idle after it goes live,
+        # rebuilt when the machine is quiet if it falls short (`short` says why).
+        self.proof: dict = {}
+        self.short = ""
+        self.rebuilt = ""                # what a quiet rebuild did: "kept new" | "kept old" | ""
+        self._proven = threading.Event()
+        self._built: dict = {}           # how the last step build went (proof.built)
+        self._race_tries = 0
+        self._next = None                # a rebuilt package waiting for its race
+        self._next_built: dict = {}
 
     def start(self) -> None:
         impl = self.target.impl
@@ -110,6 +124,11 @@ class CompiledStep:
         """Block until the compile ends (tests and benchmarks); True when it is ready."""
         self._done.wait(timeout)
         return self.state == "ready"
+
+    def wait_proven(self, timeout: float | None = None) -> bool:
+        """Block until the step has been raced (and rebuilt, if it fell short); True when
+        that happened (False: timed out, or there was nothing to prove)."""
+        return self._proven.wait(timeout) and bool(self.proof.get("race"))
 
     def wait_passes(self, timeout: float | None = None) -> bool:
         """Block until the verify passes are built or loaded (or given up on); True when
@@ -164,6 +183,10 @@ class CompiledStep:
                 worker.submit(self._compile_passes, self._passes_done)
             else:
                 self._passes_done.set()
+            if self.state == "ready" and self.source in ("cache", "built"):
+                self._when_free(self._prove)                  # it sets _proven itself
+            else:
+                self._proven.set()
 
     def want_rows(self, rows: tuple[int, ...]) -> None:
         """Compile these verify buckets too (another drafter drafts longer, or at all)."""
@@ -203,35 +226,163 @@ class CompiledStep:
                 self.notes.append(f"verify pass of {rows} kept eager: {fast:.1f} ms compiled, {eager:.1f} eager")
 
     def _race_when_idle(self, package, rows: int) -> tuple[float, float]:
-        """_race, while no answer is generated (it would slow the answer and be slowed by
-        it): a race that an answer interrupts waits for it to end, on this thread, which
-        holds no OpenMP team (worker.off_thread), and starts again."""
+        return self._when_idle(self._race, package, rows)
+
+    def _when_idle(self, fn, *args):
+        """fn(*args), while no answer is generated (a race would slow the answer and be
+        slowed by it): one that an answer interrupts waits for it to end, on this thread,
+        which holds no OpenMP team (worker.off_thread), and starts again."""
         while True:
             worker.wait_for_answers()
             try:
-                return worker.off_thread(self._race, package, rows)
+                return worker.off_thread(fn, *args)
             except worker.Later:
                 continue
 
     def _race(self, package, rows: int, reps: int = 5) -> tuple[float, float]:
         """Median milliseconds of the eager and the compiled pass of `rows` positions, run
         in turn on scratch caches; worker.Later if an answer starts meanwhile."""
-        eager, fast = self._scratch(dynamic=False), self._scratch(dynamic=False)
-        ids = torch.arange(1, rows + 1, dtype=torch.long, device=self.target.device)
-        times: tuple[list[float], list[float]] = ([], [])
+        return tuple(self._times([None, package], rows, reps))
+
+    def _times(self, fns: list, rows: int, reps: int = 5, budget_s: float = 0.0) -> list[float]:
+        """Median milliseconds of each pass of `rows` positions, interleaved on scratch
+        caches of their own: None is the eager forward, a callable a compiled pass or a
+        package, a number of bytes a read of that much memory (the bandwidth bound, timed
+        in the same minute as the steps). `budget_s`: stop after that long once every one
+        has 3 timings. worker.Later if an answer starts meanwhile."""
+        dev = self.target.device
+        ids = torch.arange(1, rows + 1, dtype=torch.long, device=dev)
+        runs = []
+        for f in fns:
+            if f is None:
+                impl = self._scratch(dynamic=False)
+                runs.append(lambda impl=impl: impl(ids, exported.MIN_POS, rows > 1))
+            elif isinstance(f, int):
+                buf = torch.ones(f // 4, device=dev)
+                runs.append(buf.sum)
+            else:
+                impl = self._scratch(dynamic=False)
+                runs.append(lambda f=f, impl=impl: f(impl, ids, exported.MIN_POS))
+        times: list[list[float]] = [[] for _ in runs]
+        start = time.perf_counter()
         with torch.inference_mode():
-            for i in range(2 * reps + 2):
-                if worker.answering():
-                    raise worker.Later
-                t0 = time.perf_counter()
-                if i % 2:
-                    package(fast, ids, exported.MIN_POS)
-                else:
-                    eager(ids, exported.MIN_POS, True)
-                _sync(self.target.device)
-                if i >= 2:                   # the first of each warms up
-                    times[i % 2].append(time.perf_counter() - t0)
-        return tuple(sorted(t)[len(t) // 2] * 1e3 for t in times)
+            for i in range(reps + 1):
+                for run, t in zip(runs, times):
+                    if worker.answering():
+                        raise worker.Later
+                    t0 = time.perf_counter()
+                    run()
+                    _sync(dev)
+                    if i:                    # the first of each warms up
+                        t.append(time.perf_counter() - t0)
+                if budget_s and i >= 3 and time.perf_counter() - start > budget_s:
+                    break
+        return [sorted(t)[len(t) // 2] * 1e3 for t in times]
+
+    def _when_free(self, job) -> None:
+        """Queue `job` to run while no answer runs and the machine is quiet. Found
+        answering, or the job raising worker.Later (an answer started, or the machine was
+        busy), it is queued again behind whatever came meanwhile: loading a package never
+        waits behind a race waiting for its moment."""
+        def run():
+            if worker.answering():
+                worker.wait_for_answers(0.5)
+                worker.submit(run, threading.Event())
+                return
+            try:
+                job()
+            except worker.Later:
+                worker.submit(run, threading.Event())
+            except Exception as exc:              # the step stays as it is
+                self.notes.append(f"proving the step: {_why(exc)}")
+                self._proven.set()
+        worker.submit(run, threading.Event())
+
+    def _prove(self) -> None:
+        """Race the live step against the eager step and the memory's read rate, record it
+        beside the package, and rebuild the package when the machine is quiet if it falls
+        short (engine/compile/proof.py). Only worker.Later escapes: the step stays as it is."""
+        try:
+            if not self.proof:
+                self.proof = proof.read(self.package)
+                if self._built:                      # built now: how that went
+                    self.proof = {"built": self._built, "rebuilds": self.proof.get("rebuilds", 0)}
+            (eager, step), rate = self._quiet_race([None, self._fn])
+        except worker.Later:
+            self._race_tries += 1
+            if self._race_tries < RACE_TRIES:
+                raise
+            self.notes.append("not proven: other programs kept the machine busy each time it was raced")
+            self._proven.set()
+            return
+        except Exception as exc:
+            self.notes.append(f"proving the step: {_why(exc)}")
+            self._proven.set()
+            return
+        self.proof["race"] = proof.race(eager, step, self.target.weight_bytes(), rate)
+        proof.write(self.package, self.proof)
+        self.short = proof.short(self.proof)
+        if self.short and self.build:
+            self._when_free(self._rebuild)
+        else:
+            self._proven.set()
+
+    def _quiet_race(self, fns: list):
+        """(ms of each of `fns`, bytes/s read) from a race on a quiet machine that nothing
+        disturbed; worker.Later when it was not quiet, or was disturbed."""
+        nbytes = max(64 << 20, min(self.target.weight_bytes(), 256 << 20))
+        if not quiet.wait_quiet(QUIET_WAIT_S):
+            raise worker.Later
+        w = quiet.Window()
+        ms = worker.off_thread(self._times, [*fns, nbytes], 1, 7, 3.0)
+        if w.disturbed():
+            raise worker.Later
+        return ms[:-1], nbytes / (ms[-1] / 1e3)
+
+    def _rebuild(self) -> None:
+        """Build the step again on a quiet machine (worker.Later: not quiet yet); the new
+        package is then raced against the live one (_settle)."""
+        if not quiet.wait_quiet(QUIET_WAIT_S):
+            raise worker.Later
+        need = int(self.target.weight_bytes() * 1.1) + (256 << 20)   # the new package beside the live one
+        free = hardware.available_memory(self.target.device)
+        if free is not None and free < need:
+            self.notes.append(f"not rebuilt ({self.short}): no memory for a second step beside the live one")
+            self._proven.set()
+            return
+        try:
+            with worker.building():
+                self._next = self._build_aot(self.package.with_name("step.next.pt2"), 1, self.mode)
+        except Exception as exc:
+            self.notes.append(f"rebuilding the step: {_why(exc)}")
+            self._proven.set()
+            return
+        self._next_built = self._built
+        self._when_free(self._settle)
+
+    def _settle(self) -> None:
+        """Race the eager step, the live step and the rebuilt one, and keep the faster
+        package (rebuilds are counted in the proof: a step that falls short after
+        MAX_REBUILDS quiet rebuilds is what this machine does)."""
+        (eager, old_ms, new_ms), rate = self._quiet_race([None, self._fn, self._next])
+        new_path = self.package.with_name("step.next.pt2")
+        keep_new = new_ms < old_ms
+        if keep_new:
+            os.replace(new_path, self.package)
+            self._fn = self._next
+            self.proof["built"] = self._next_built
+        else:
+            new_path.unlink(missing_ok=True)
+            if "built" in self.proof:               # its choices beat ones made quiet
+                self.proof["built"]["held"] = True
+        self._next = None
+        self.rebuilt = "kept new" if keep_new else "kept old"
+        self.notes.append(f"rebuilt quiet ({self.short}): {new_ms:.2f} ms against {old_ms:.2f}, {self.rebuilt}")
+        self.proof["rebuilds"] = self.proof.get("rebuilds", 0) + 1
+        self.proof["race"] = proof.race(eager, min(new_ms, old_ms), self.target.weight_bytes(), rate)
+        proof.write(self.package, self.proof)
+        self.short = proof.short(self.proof)
+        self._proven.set()
 
     def _load_package(self) -> bool:
         """Use the step's package a previous start left, if it is there and computes this
@@ -260,17 +411,22 @@ class CompiledStep:
         path.parent.mkdir(parents=True, exist_ok=True)
         if self._in_child():
             self.built_in = "child"
-            builder.build(self.target.recipe, path, mode, rows, private_cache=not _USER_CACHE_DIR)
+            record = builder.build(self.target.recipe, path, mode, rows, private_cache=not _USER_CACHE_DIR)
         else:
             self.built_in = "process"
             scratch = self._scratch(dynamic=False)
-            exported.build(scratch, scratch.cache.k + scratch.cache.v, path, mode,
-                           private_cache=not _USER_CACHE_DIR, rows=rows)
+            with quiet.steady_timings() as timings:
+                exported.build(scratch, scratch.cache.k + scratch.cache.v, path, mode,
+                               private_cache=not _USER_CACHE_DIR, rows=rows)
+            record = timings.as_dict()
         try:
-            return self._open(path, rows)
+            package = self._open(path, rows)
         except Exception:
             path.unlink(missing_ok=True)
             raise
+        if rows == 1:
+            self._built = proof.built(record, mode)
+        return package
 
     def _in_child(self) -> bool:
         """Build in a child process: on a CPU (on a GPU the child would need a second copy

@@ -114,9 +114,10 @@ def building():
     finally:
         _building = False
 
-def wait_for_answers() -> None:
-    """Block until no answer is being generated (at once when none is)."""
-    _go.wait()
+def wait_for_answers(timeout: float | None = None) -> bool:
+    """Block until no answer is being generated (at once when none is), or `timeout`
+    seconds; True when none is."""
+    return _go.wait(timeout)
 
 
 def answering() -> bool:

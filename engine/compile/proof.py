@@ -1,0 +1,122 @@
+"""What a built step has shown of its speed, kept beside its package (issue 23).
+
+A package is only as fast as the kernel choices its build made, and a build that timed its
+candidates under load keeps slow ones for good (engine/compile/quiet.py). So each step
+package has a record, `step.proof.json` beside `step.pt2`:
+
+- "built": how its build went (mode, when, the quiet.Record: timings retimed or never
+  quiet, the share of the machine others took meanwhile);
+- "race": the step raced against the eager step on the same weights, interleaved (so the
+  ratio holds whatever the machine's bandwidth does that minute), and the bound that the
+  measured read bandwidth puts on a step that reads every weight once;
+- "rebuilds": how many quiet rebuilds it has had.
+
+`short()` says why a package falls short (and is rebuilt when the machine is quiet), or
+"" when it does not. `localchat doctor` prints `describe()` for every package.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+# Below this share of the bandwidth bound a step is short. A quiet build of the demo model
+# reaches 50-60% of it (float32 27 GB/s, bf16 24 GB/s, the machine reading 45); the
+# packages built under load reached 23-32%. Small models sit in the caches, where the bound
+# says nothing, and their steps take a fraction of a millisecond either way (the tests'
+# tiny model: 0.4 ms compiled and eager): the race's verdicts apply from BOUND_FROM bytes
+# of weights.
+BOUND_FLOOR = 0.35
+BOUND_FROM = 256 << 20
+# Rebuilt this often, a step that still falls short is what this machine does with it (or
+# the machine is never quiet for long): it is kept.
+MAX_REBUILDS = 2
+
+
+def path_of(package: Path) -> Path:
+    return Path(package).with_suffix(".proof.json")
+
+
+def read(package: Path) -> dict:
+    try:
+        out = json.loads(path_of(package).read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def write(package: Path, proof: dict) -> None:
+    """Written whole under a temporary name: a reader never sees half a record."""
+    path = path_of(package)
+    tmp = path.with_name(f".{path.name}-{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(proof, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)        # a read-only cache dir: proven again next start
+
+
+def built(record: dict, mode: str) -> dict:
+    return {**record, "mode": mode, "at": round(time.time())}
+
+
+def race(eager_ms: float, step_ms: float, weight_bytes: int, bandwidth: float | None) -> dict:
+    out = {"at": round(time.time()), "eager_ms": round(eager_ms, 3), "step_ms": round(step_ms, 3),
+           "weight_bytes": int(weight_bytes)}
+    if bandwidth:
+        out["bandwidth"] = round(bandwidth)
+        out["bound_ms"] = round(weight_bytes / bandwidth * 1e3, 3)
+    return out
+
+
+def of_bound(proof: dict) -> float | None:
+    r = proof.get("race") or {}
+    if not r.get("bound_ms") or not r.get("step_ms") or r.get("weight_bytes", 0) < BOUND_FROM:
+        return None
+    return r["bound_ms"] / r["step_ms"]
+
+
+def short(proof: dict) -> str:
+    """Why the package falls short and should be rebuilt quiet, or "" (it does not, or a
+    quiet rebuild already showed that this is what the machine does)."""
+    b, r = proof.get("built") or {}, proof.get("race") or {}
+    if proof.get("rebuilds", 0) >= MAX_REBUILDS:
+        return ""
+    if b and not b.get("quiet", True) and not b.get("held"):     # held: it beat a quiet rebuild
+        if b.get("unsteady"):
+            return f"{b['unsteady']} of its {b.get('timed', 0)} autotuning timings were never taken on a quiet machine"
+        return f"it was built while other programs took {b.get('others', 0):.0%} of the machine"
+    if r.get("weight_bytes", 0) < BOUND_FROM:
+        return ""
+    if r.get("step_ms") and r.get("eager_ms") and r["step_ms"] >= r["eager_ms"]:
+        return f"it is no faster than the eager step ({r['step_ms']:.1f} ms against {r['eager_ms']:.1f})"
+    frac = of_bound(proof)
+    if frac is not None and frac < BOUND_FLOOR:
+        return f"it reaches {frac:.0%} of what the memory's read rate allows"
+    return ""
+
+
+def describe(proof: dict) -> str:
+    """One line for `localchat doctor`: measured tok/s, eager's, the bound, how it was built."""
+    b, r = proof.get("built") or {}, proof.get("race") or {}
+    parts = []
+    if r.get("step_ms"):
+        parts.append(f"{1e3 / r['step_ms']:.1f} tok/s (eager {1e3 / r['eager_ms']:.1f}, "
+                     f"{r['eager_ms'] / r['step_ms']:.2f}x)")
+        if r.get("bound_ms"):
+            parts.append(f"bound {1e3 / r['bound_ms']:.0f} tok/s at {r['bandwidth'] / 1e9:.0f} GB/s "
+                         f"({r['bound_ms'] / r['step_ms']:.0%})")
+    else:
+        parts.append("not raced yet")
+    if b:
+        parts.append(f"built {b.get('mode', '?')}, " + ("quiet" if b.get("quiet", True) else
+                     "under load, and faster than a quiet rebuild" if b.get("held") else
+                     f"under load ({b.get('others', 0):.0%} of the machine taken by others, "
+                     f"{b.get('unsteady', 0)} timings unsteady)"))
+    if proof.get("rebuilds"):
+        parts.append(f"rebuilt {proof['rebuilds']}x")
+    why = short(proof)
+    if why:
+        parts.append(f"to be rebuilt when the machine is quiet: {why}")
+    return "; ".join(parts)
