@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return doctor_main(argv[1:])
     if argv and argv[0] == "setup":
         from .wizard import setup_main
-        return setup_main(argv[1:])
+        return _leave(setup_main(argv[1:]))
     if argv and argv[0] == "history":
         from .history_cli import history_main
         return history_main(argv[1:])

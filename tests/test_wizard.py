@@ -167,12 +167,28 @@ def test_not_enough_disk_is_refused(hw, config_file, capsys):
 def test_non_interactive_setup(tiny_llama, tmp_path):
     env = os.environ.copy()
     env["LOCALCHAT_CONFIG_DIR"] = str(tmp_path / "cfg")
+    env["LOCALCHAT_CACHE_DIR"] = str(tmp_path / "cache")
     proc = subprocess.run([sys.executable, "-m", "localchat", "setup", "--yes", "--model", str(tiny_llama),
-                           "--drafter", "ngram", "--vram", "2GiB"],
+                           "--drafter", "ngram", "--vram", "2GiB", "--no-build"],
                           capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
     settings, _ = config.load(tmp_path / "cfg" / "config.toml", {})
     assert Path(settings.model) == Path(tiny_llama).resolve() and settings.drafter == "ngram"
+    assert "Compiled step" not in proc.stdout and not (tmp_path / "cache" / "inductor").exists()
+
+
+def test_setup_builds_the_compiled_step_so_the_first_chat_is_fast(tiny_llama, tmp_path):
+    env = dict(os.environ, LOCALCHAT_CONFIG_DIR=str(tmp_path / "cfg"), LOCALCHAT_CACHE_DIR=str(tmp_path / "cache"))
+    setup = [sys.executable, "-m", "localchat", "setup", "--yes", "--model", str(tiny_llama), "--drafter", "none"]
+    proc = subprocess.run(setup, capture_output=True, text=True, env=env, timeout=900, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert "Building the compiled decode step" in proc.stdout and "Compiled step built in" in proc.stdout
+    assert "tok/s (eager" in proc.stdout                   # raced once built (engine/compile/proof.py)
+    assert len(list((tmp_path / "cache" / "inductor").glob("*/step.pt2"))) == 1
+    # A second setup (and any chat) finds it instead of building it again.
+    again = subprocess.run(setup, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert again.returncode == 0 and "Compiled step found (built earlier)" in again.stdout, again.stdout
+    assert "Building" not in again.stdout and "Loading the compiled decode step" in again.stdout
 
 
 def test_setup_without_a_terminal_needs_yes(tmp_path):

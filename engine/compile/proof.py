@@ -104,7 +104,7 @@ def describe(proof: dict) -> str:
     if r.get("step_ms"):
         parts.append(f"{1e3 / r['step_ms']:.1f} tok/s (eager {1e3 / r['eager_ms']:.1f}, "
                      f"{r['eager_ms'] / r['step_ms']:.2f}x)")
-        if r.get("bound_ms"):
+        if r.get("bound_ms") and r.get("weight_bytes", 0) >= BOUND_FROM:
             parts.append(f"bound {1e3 / r['bound_ms']:.0f} tok/s at {r['bandwidth'] / 1e9:.0f} GB/s "
                          f"({r['bound_ms'] / r['step_ms']:.0%})")
     else:

@@ -65,9 +65,11 @@ def _ticks_of(pids: set[int], groups: set[int]) -> int:
         except OSError:
             continue                 # it ended meanwhile
         rest = text.rsplit(")", 1)[-1].split()
-        # rest[0] is the state, rest[2] the process group, rest[11]/[12] utime/stime
+        # rest[0] is the state, rest[2] the process group, rest[11:15] utime, stime and the
+        # same of its children that ended (a build's C++ compilers come and go within a
+        # window; once they are gone, only their parent's counts still hold their time)
         if int(name) in pids or int(rest[2]) in groups:
-            total += int(rest[11]) + int(rest[12])
+            total += sum(int(x) for x in rest[11:15])
     return total
 
 

@@ -1,0 +1,158 @@
+"""Ours against llama.cpp on the same weights, same prompt tokens, same threads, one run
+(issue 23's table, reproducible): the demo model in float32, bf16 and 4-bit.
+
+- llama.cpp: llama-cpp-python (the `bench` extra; it compiles llama.cpp from source) on
+  the demo's own Q4_1 GGUF and on F32/BF16 GGUFs written from it by dequantizing every
+  tensor (benchmarks/gguf_formats.py), so every row reads the same weights;
+- ours: the engine API on the same Q4_1 file, float32 / bf16 (the same dequantized
+  weights) and resident-int4 (int4, groups of 32, quantized from them), each with its
+  compiled step (built here if this machine has none yet, on a quiet machine, raced and
+  proven before anything is timed: engine/compile/proof.py), and float32 eager (what a
+  one-shot answer without a built step gets).
+
+The prompt is the fibonacci workload with the chat template, tokenized once and fed to
+both as the same token ids; greedy; up to --tokens new tokens (both stop at EOS). Prefill
+tok/s is prompt tokens over the time to the first logits, decode tok/s the rest. Every
+contender runs once per round, rounds interleaved; medians of --rounds.
+
+    python benchmarks/peers.py [--rounds 6] [--tokens 128] [--only f32,bf16,q4]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import engine  # noqa: E402
+from common import machine, median, read_bandwidth, write_json  # noqa: E402
+from engine import checkpoint  # noqa: E402
+from engine.compile import worker  # noqa: E402
+from engine.session import render_prompt  # noqa: E402
+
+PROMPT = "Write a Python function that returns the n-th Fibonacci number."     # workloads.jsonl: fibonacci
+# (our engine, its llama.cpp peer): what each row compares
+ROWS = {
+    "f32": ({"dtype": "float32"}, "F32"),
+    "bf16": ({"dtype": "bfloat16"}, "BF16"),
+    "q4": ({"profile": "resident-int4"}, "Q4_1"),
+}
+
+
+def llama_once(llm, ids: list[int], tokens: int, eos: int) -> tuple[float, float, int]:
+    """(prefill tok/s, decode tok/s, tokens) of one greedy answer from llama.cpp."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t1 = time.perf_counter()
+    n = 0
+    for _ in range(tokens):
+        tok = llm.sample(temp=0.0, top_k=1)
+        n += 1
+        if tok == eos:
+            break
+        llm.eval([tok])
+    t2 = time.perf_counter()
+    return len(ids) / (t1 - t0), (n - 1) / (t2 - t1) if n > 1 else 0.0, n
+
+
+def ours_once(eng, tokens: int) -> tuple[float, float, int]:
+    chat = eng.chat()
+    list(chat.send(PROMPT, max_new_tokens=tokens))
+    s = chat.last_stats
+    assert s.prefill_tokens == s.prompt_tokens, "a fresh chat prefills its whole prompt"
+    return s.prefill_tps, s.decode_tps, s.generated_tokens
+
+
+def open_ours(kw: dict, cache_dir: Path, compiled: bool):
+    eng = engine.open(drafter="none", compile="on" if compiled else "off", cache_dir=cache_dir, **kw)
+    step = eng.target.compiled
+    if compiled:
+        if not step.wait(3600):
+            raise SystemExit(f"{kw}: the compiled step is not ready ({step.state}: {step.error})")
+        step.wait_proven(1800)           # its race (and a rebuild, if it fell short) before any timing
+    return eng
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--only", default=",".join(ROWS), help="rows: f32,bf16,q4")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "peers.json"))
+    args = ap.parse_args()
+    try:
+        from llama_cpp import Llama, __version__ as llama_version
+    except ImportError:
+        raise SystemExit("benchmarks/peers.py needs llama-cpp-python: pip install -e .[bench]") from None
+    import gguf_formats
+
+    threads = torch.get_num_threads()
+    demo = checkpoint.demo_gguf_path()
+    cache = checkpoint.default_cache_dir()
+    files = {"Q4_1": demo, **gguf_formats.write_all(demo, cache / "peers")}
+    rows = [r for r in args.only.split(",") if r]
+    contenders = {}
+    for r in rows:
+        kw, fmt = ROWS[r]
+        contenders[f"ours {r} compiled"] = (ours_once, open_ours(kw, cache, True))
+        llm = Llama(model_path=str(files[fmt]), n_ctx=1024, n_batch=512, n_threads=threads,
+                    n_threads_batch=threads, verbose=False)
+        contenders[f"llama.cpp {fmt}"] = (llama_once, llm)
+    if "f32" in rows:
+        contenders["ours f32 eager"] = (ours_once, open_ours({"dtype": "float32"}, cache, False))
+    tok = next(e for f, e in contenders.values() if f is ours_once).tokenizer
+    ids = render_prompt(tok, [{"role": "user", "content": PROMPT}])
+    eos = tok.eos_token_id
+
+    while worker.busy():                 # nothing of ours runs in the background while timing
+        time.sleep(0.5)
+
+    def run(name):
+        fn, obj = contenders[name]
+        return fn(obj, ids, args.tokens, eos) if fn is llama_once else fn(obj, args.tokens)
+
+    bw_before = read_bandwidth()
+    for name in contenders:              # warm-up
+        run(name)
+    samples = {name: [] for name in contenders}
+    for _ in range(args.rounds):
+        for name in contenders:
+            samples[name].append(run(name))
+    bw_after = read_bandwidth()
+
+    def fig(name):
+        s = samples[name]
+        return {"prefill_tps": round(median([x[0] for x in s]), 1), "decode_tps": round(median([x[1] for x in s]), 1),
+                "tokens": median([x[2] for x in s])}
+    out_rows = []
+    for r in rows:
+        fmt = ROWS[r][1]
+        ours, peer = fig(f"ours {r} compiled"), fig(f"llama.cpp {fmt}")
+        row = {"row": r, "llama_format": fmt, "ours": ours, "llama_cpp": peer,
+               "decode_ratio": round(ours["decode_tps"] / peer["decode_tps"], 3),
+               "prefill_ratio": round(ours["prefill_tps"] / peer["prefill_tps"], 3)}
+        if r == "f32":
+            eager = fig("ours f32 eager")
+            row["ours_eager"] = eager
+            row["eager_decode_ratio"] = round(eager["decode_tps"] / peer["decode_tps"], 3)
+        out_rows.append(row)
+        print(f"{r:5s} decode ours {ours['decode_tps']:6.1f} llama.cpp {peer['decode_tps']:6.1f} "
+              f"({row['decode_ratio']:.2f}x)  prefill ours {ours['prefill_tps']:6.0f} "
+              f"llama.cpp {peer['prefill_tps']:6.0f} ({row['prefill_ratio']:.2f}x)")
+    write_json(args.out, {
+        "benchmark": "peers", "model": checkpoint.DEMO_NAME, "prompt": PROMPT, "prompt_tokens": len(ids),
+        "max_new_tokens": args.tokens, "rounds": args.rounds, "threads": threads,
+        "llama_cpp_python": llama_version, "bandwidth_gbps": [round(bw_before / 1e9, 1), round(bw_after / 1e9, 1)],
+        "machine": machine(), "rows": out_rows,
+        "samples": {k: [list(map(lambda v: round(v, 2), x)) for x in s] for k, s in samples.items()}})
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
