@@ -116,8 +116,26 @@ def verify_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def peers_table(d: dict) -> str:
+    """Ours against llama.cpp on the same weights (benchmarks/peers.py): the README's headline."""
+    names = {"f32": "float32", "bf16": "bfloat16", "q4": "4-bit (ours int4 g32, llama.cpp Q4_1)"}
+    lines = ["| weights | decode tok/s: localchat | llama.cpp | **ratio** | prefill tok/s: localchat | llama.cpp "
+             "| **ratio** |", "|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        o, p = r["ours"], r["llama_cpp"]
+        lines.append(f"| {names.get(r['row'], r['row'])} | {o['decode_tps']:.1f} | {p['decode_tps']:.1f} | "
+                     f"**{r['decode_ratio']:.2f}×** | {o['prefill_tps']:.0f} | {p['prefill_tps']:.0f} | "
+                     f"**{r['prefill_ratio']:.2f}×** |")
+        if "ours_eager" in r:
+            e = r["ours_eager"]
+            lines.append(f"| float32, eager (no built step) | {e['decode_tps']:.1f} | {p['decode_tps']:.1f} | "
+                         f"{r['eager_decode_ratio']:.2f}× | {e['prefill_tps']:.0f} | {p['prefill_tps']:.0f} | "
+                         f"{e['prefill_tps'] / p['prefill_tps']:.2f}× |")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    for name, render in (("decode.json", decode_table), ("speculative.json", speculative_table),
+    for name, render in (("peers.json", peers_table), ("decode.json", decode_table), ("speculative.json", speculative_table),
                          ("speculative-bf16.json", speculative_table),
                          ("speculative-self-int4.json", speculative_table), ("streamed.json", streamed_table),
                          ("verify.json", verify_table)):

@@ -87,6 +87,8 @@ def test_what_falls_short_and_why():
     assert proof.short({"race": tiny}) == "" and proof.of_bound({"race": tiny}) is None
     assert proof.short({"race": proof.race(1.0, 1.2, 1 << 20, 50e9)}) == ""
     assert proof.short({**loaded, "rebuilds": proof.MAX_REBUILDS}) == ""
+    assert proof.short({"race": starved, "rebuilds": 1}) == ""           # a quiet rebuild showed it
+    assert proof.short({**loaded, "rebuilds": 1}) != ""                  # a rebuild under load again
     assert proof.short({**loaded, "built": {**loaded["built"], "held": True}}) == ""
     line = proof.describe({"built": {"quiet": True, "mode": "max-autotune-unfused"}, "race": fast})
     assert "83.3 tok/s (eager 33.3, 2.50x)" in line and "bound 93 tok/s at 100 GB/s (89%)" in line

@@ -41,14 +41,16 @@ def room_needed(weight_bytes: int) -> int:
     return int(weight_bytes * 2.2) + (512 << 20)
 
 
-def build(recipe: dict, path: Path, mode: str, rows: int, private_cache: bool) -> dict:
+def build(recipe: dict, path: Path, mode: str, rows: int, private_cache: bool, against: Path | None = None) -> dict:
     """Build the package of a pass of `rows` positions at `path` in a child process; returns
-    when it is there, with how its timings went (quiet.Record.as_dict), and raises
-    RuntimeError with the child's reason when it is not."""
+    when it is there, with how its timings went (quiet.Record.as_dict) and, for a step,
+    the child's race of it ("race": race.quietly's figures of [eager, the new step, and
+    the package `against` when given and there is room for both]; None when never quiet),
+    and raises RuntimeError with the child's reason when it is not."""
     from . import exported
     path.parent.mkdir(parents=True, exist_ok=True)
     spec = {"recipe": recipe, "path": str(path), "mode": mode, "rows": rows, "private_cache": private_cache,
-            "parent": os.getpid()}
+            "parent": os.getpid(), "against": str(against) if against else None}
     fd, err_name = tempfile.mkstemp(prefix=f"localchat-build-{os.getpid()}-", suffix=".err")
     os.close(fd)
     spec["error_file"] = err_name
@@ -171,12 +173,34 @@ def main(argv: list[str]) -> int:
         with quiet.steady_timings(exclude=(spec["parent"],)) as record:
             exported.build(impl, target.cache.k + target.cache.v, Path(spec["path"]), spec["mode"],
                            private_cache=spec["private_cache"], rows=spec["rows"])
-        Path(spec["report_file"]).write_text(json.dumps(record.as_dict()))
+        report = record.as_dict()
+        if spec["rows"] == 1:
+            report["race"] = _race(target, spec)
+        Path(spec["report_file"]).write_text(json.dumps(report))
     except BaseException as exc:              # the parent reports it (one line) and falls back
         text = str(exc).strip()
         Path(spec["error_file"]).write_text(f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}")
         return 1
     return 0
+
+
+def _race(target, spec: dict) -> dict | None:
+    """Race the step just built (and the live one it may replace, if there is room for
+    both) against the eager step, here, where this main thread is the only OpenMP team
+    (engine/compile/race.py says why that matters)."""
+    from . import exported, quiet, race
+    from .. import hardware
+    fns = [None, exported.Package(Path(spec["path"]), 1)]
+    old = Path(spec["against"]) if spec.get("against") else None
+    free = hardware.available_memory(target.device)
+    if old is not None and old.exists() and (free is None or free > target.weight_bytes() * 1.2):
+        fns.append(exported.Package(old, 1))
+    try:
+        with quiet.counting_stops():
+            return race.quietly(target.impl, fns, target.weight_bytes(), exclude=(spec["parent"],))
+    finally:
+        for f in fns[1:]:
+            f.release_files()
 
 
 if __name__ == "__main__":

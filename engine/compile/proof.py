@@ -22,15 +22,18 @@ import time
 from pathlib import Path
 
 # Below this share of the bandwidth bound a step is short. A quiet build of the demo model
-# reaches 50-60% of it (float32 27 GB/s, bf16 24 GB/s, the machine reading 45); the
-# packages built under load reached 23-32%. Small models sit in the caches, where the bound
+# reaches 40-60% of it (float32: 19.5 ms a step against a bound of 7.8 ms, the read rate
+# measured in the same race at 69 GB/s); the packages built under load read their weights
+# at 10-15 GB/s, under a quarter of it. Small models sit in the caches, where the bound
 # says nothing, and their steps take a fraction of a millisecond either way (the tests'
 # tiny model: 0.4 ms compiled and eager): the race's verdicts apply from BOUND_FROM bytes
 # of weights.
-BOUND_FLOOR = 0.35
+BOUND_FLOOR = 0.30
 BOUND_FROM = 256 << 20
-# Rebuilt this often, a step that still falls short is what this machine does with it (or
-# the machine is never quiet for long): it is kept.
+# Rebuilt this often, a step built under load that still falls short is kept (the machine
+# is never quiet for long); one built quiet that falls short of its race is rebuilt once.
+# (The bf16 demo step here: 13.8 ms against 17.2 eager, 26% of the bound, built quiet and
+# rebuilt quiet alike: what inductor's bf16 kernels do on this CPU.)
 MAX_REBUILDS = 2
 
 
@@ -61,9 +64,11 @@ def built(record: dict, mode: str) -> dict:
     return {**record, "mode": mode, "at": round(time.time())}
 
 
-def race(eager_ms: float, step_ms: float, weight_bytes: int, bandwidth: float | None) -> dict:
+def race(eager_ms: float, step_ms: float, weight_bytes: int, bandwidth: float | None, where: str = "child") -> dict:
+    """`where` the race ran: "child" (the build's process, the step's thread the only OpenMP
+    team) or "process" (the chat's: on a CPU a second team slows the step more than eager)."""
     out = {"at": round(time.time()), "eager_ms": round(eager_ms, 3), "step_ms": round(step_ms, 3),
-           "weight_bytes": int(weight_bytes)}
+           "weight_bytes": int(weight_bytes), "where": where}
     if bandwidth:
         out["bandwidth"] = round(bandwidth)
         out["bound_ms"] = round(weight_bytes / bandwidth * 1e3, 3)
@@ -87,6 +92,8 @@ def short(proof: dict) -> str:
         if b.get("unsteady"):
             return f"{b['unsteady']} of its {b.get('timed', 0)} autotuning timings were never taken on a quiet machine"
         return f"it was built while other programs took {b.get('others', 0):.0%} of the machine"
+    if proof.get("rebuilds", 0) >= 1:            # built quiet, rebuilt quiet: this is what the machine does
+        return ""
     if r.get("weight_bytes", 0) < BOUND_FROM:
         return ""
     if r.get("step_ms") and r.get("eager_ms") and r["step_ms"] >= r["eager_ms"]:

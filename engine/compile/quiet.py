@@ -149,6 +149,20 @@ def _on_continue(signum, frame) -> None:
 
 
 @contextlib.contextmanager
+def counting_stops():
+    """Count SIGCONTs (Window.stopped) for the duration, on the main thread (where Python
+    runs signal handlers; elsewhere stops go uncounted)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGCONT, _on_continue)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCONT, old)
+
+
+@contextlib.contextmanager
 def steady_timings(exclude: tuple[int, ...] = ()):
     """Inductor's CPU candidate timings, taken again when disturbed (see the module's
     note), for the duration; yields the Record. The SIGCONT counter only works on the
@@ -178,13 +192,10 @@ def steady_timings(exclude: tuple[int, ...] = ()):
         record.unsteady += 1
         return ms
 
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGCONT, _on_continue) if main else None
     bench.benchmark_cpu = benchmark_cpu           # an instance attribute: every caller shares `bench`
     try:
-        yield record
+        with counting_stops():
+            yield record
     finally:
         del bench.benchmark_cpu
-        if main:
-            signal.signal(signal.SIGCONT, old)
         record.others = whole.others()

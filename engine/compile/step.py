@@ -27,7 +27,6 @@ so they cost no memory beyond the forward's; a chat uses each bucket as it goes 
 """
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
@@ -37,8 +36,7 @@ from pathlib import Path
 import torch
 
 from .. import hardware
-from ..cache import KVCache
-from . import builder, exported, package_dirs, proof, quiet
+from . import builder, exported, package_dirs, proof, quiet, race
 from . import worker
 
 MODE = "max-autotune-unfused"            # engine/compile/exported.py MODES; torch.compile runs "default"
@@ -112,6 +110,7 @@ class CompiledStep:
         self._race_tries = 0
         self._next = None                # a rebuilt package waiting for its race
         self._next_built: dict = {}
+        self._child_race: dict | None = None   # the build's child's race of the step it built (race.py)
 
     def start(self) -> None:
         impl = self.target.impl
@@ -137,18 +136,9 @@ class CompiledStep:
         return bool(self.rows) and all(r in self.passes for r in self.rows)
 
     def _scratch(self, dynamic: bool = True):
-        """A shallow copy of the forward with a KV cache of its own: the compile runs real
-        steps, and they must not write into the conversation's cache."""
-        impl, cache = self.target.impl, self.target.cache
-        scratch = copy.copy(impl)
-        scratch.cache = KVCache(cache.layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device,
-                                capacity=cache.capacity, max_positions=cache.max_positions)
-        if dynamic:
-            for t in scratch.cache.k + scratch.cache.v:
-                torch._dynamo.mark_dynamic(t, 2)
-            for t in (scratch._cos, scratch._sin):
-                torch._dynamo.mark_dynamic(t, 0)
-        return scratch
+        """The forward with a KV cache of its own (race.scratch): the compile and the
+        checks run real steps, and they must not write into the conversation's cache."""
+        return race.scratch(self.target.impl, dynamic)
 
     def _attempts(self) -> list[tuple[str, str]]:
         """(backend, mode) in the order tried: an AOTInductor package first (it is kept on
@@ -245,39 +235,12 @@ class CompiledStep:
         return tuple(self._times([None, package], rows, reps))
 
     def _times(self, fns: list, rows: int, reps: int = 5, budget_s: float = 0.0) -> list[float]:
-        """Median milliseconds of each pass of `rows` positions, interleaved on scratch
-        caches of their own: None is the eager forward, a callable a compiled pass or a
-        package, a number of bytes a read of that much memory (the bandwidth bound, timed
-        in the same minute as the steps). `budget_s`: stop after that long once every one
-        has 3 timings. worker.Later if an answer starts meanwhile."""
-        dev = self.target.device
-        ids = torch.arange(1, rows + 1, dtype=torch.long, device=dev)
-        runs = []
-        for f in fns:
-            if f is None:
-                impl = self._scratch(dynamic=False)
-                runs.append(lambda impl=impl: impl(ids, exported.MIN_POS, rows > 1))
-            elif isinstance(f, int):
-                buf = torch.ones(f // 4, device=dev)
-                runs.append(buf.sum)
-            else:
-                impl = self._scratch(dynamic=False)
-                runs.append(lambda f=f, impl=impl: f(impl, ids, exported.MIN_POS))
-        times: list[list[float]] = [[] for _ in runs]
-        start = time.perf_counter()
-        with torch.inference_mode():
-            for i in range(reps + 1):
-                for run, t in zip(runs, times):
-                    if worker.answering():
-                        raise worker.Later
-                    t0 = time.perf_counter()
-                    run()
-                    _sync(dev)
-                    if i:                    # the first of each warms up
-                        t.append(time.perf_counter() - t0)
-                if budget_s and i >= 3 and time.perf_counter() - start > budget_s:
-                    break
-        return [sorted(t)[len(t) // 2] * 1e3 for t in times]
+        """engine/compile/race.py's times over this target's forward; worker.Later if an
+        answer starts meanwhile."""
+        try:
+            return race.times(self.target.impl, fns, rows, reps, budget_s, interrupted=worker.answering)
+        except race.Later:
+            raise worker.Later from None
 
     def _when_free(self, job) -> None:
         """Queue `job` to run while no answer runs and the machine is quiet. Found
@@ -299,15 +262,22 @@ class CompiledStep:
         worker.submit(run, threading.Event())
 
     def _prove(self) -> None:
-        """Race the live step against the eager step and the memory's read rate, record it
-        beside the package, and rebuild the package when the machine is quiet if it falls
-        short (engine/compile/proof.py). Only worker.Later escapes: the step stays as it is."""
+        """Record the live step's race against the eager step and the memory's read rate
+        beside its package, and rebuild the package when the machine is quiet if it falls
+        short (engine/compile/proof.py). A step built now was raced by the build's child
+        (engine/compile/race.py says why there); one loaded from the cache keeps the proof
+        its build left; an in-process build is raced here. Only worker.Later escapes."""
         try:
             if not self.proof:
                 self.proof = proof.read(self.package)
                 if self._built:                      # built now: how that went
                     self.proof = {"built": self._built, "rebuilds": self.proof.get("rebuilds", 0)}
-            (eager, step), rate = self._quiet_race([None, self._fn])
+            if self._child_race is not None:
+                got = self._child_race
+            elif self.source == "cache" or self.built_in == "child":
+                got = None                           # (a child whose race never found quiet: none)
+            else:
+                got = self._quiet_race([None, self._fn])
         except worker.Later:
             self._race_tries += 1
             if self._race_tries < RACE_TRIES:
@@ -319,29 +289,33 @@ class CompiledStep:
             self.notes.append(f"proving the step: {_why(exc)}")
             self._proven.set()
             return
-        self.proof["race"] = proof.race(eager, step, self.target.weight_bytes(), rate)
-        proof.write(self.package, self.proof)
+        if got is not None:
+            self.proof["race"] = proof.race(got["ms"][0], got["ms"][1], self.target.weight_bytes(), got["bandwidth"],
+                                            where=self.built_in or "process")
+        if got is not None or self._built:
+            proof.write(self.package, self.proof)
         self.short = proof.short(self.proof)
         if self.short and self.build:
             self._when_free(self._rebuild)
         else:
             self._proven.set()
 
-    def _quiet_race(self, fns: list):
-        """(ms of each of `fns`, bytes/s read) from a race on a quiet machine that nothing
+    def _quiet_race(self, fns: list) -> dict:
+        """A race in this process (race.quietly's figures) on a quiet machine that nothing
         disturbed; worker.Later when it was not quiet, or was disturbed."""
-        nbytes = max(64 << 20, min(self.target.weight_bytes(), 256 << 20))
+        nbytes = race.read_bytes(self.target.weight_bytes())
         if not quiet.wait_quiet(QUIET_WAIT_S):
             raise worker.Later
         w = quiet.Window()
         ms = worker.off_thread(self._times, [*fns, nbytes], 1, 7, 3.0)
         if w.disturbed():
             raise worker.Later
-        return ms[:-1], nbytes / (ms[-1] / 1e3)
+        return {"ms": ms[:-1], "bandwidth": nbytes / (ms[-1] / 1e3)}
 
     def _rebuild(self) -> None:
-        """Build the step again on a quiet machine (worker.Later: not quiet yet); the new
-        package is then raced against the live one (_settle)."""
+        """Build the step again on a quiet machine (worker.Later: not quiet yet); the
+        build's child races the new package against the live one, and the faster is kept
+        (_settle)."""
         if not quiet.wait_quiet(QUIET_WAIT_S):
             raise worker.Later
         need = int(self.target.weight_bytes() * 1.1) + (256 << 20)   # the new package beside the live one
@@ -352,19 +326,24 @@ class CompiledStep:
             return
         try:
             with worker.building():
-                self._next = self._build_aot(self.package.with_name("step.next.pt2"), 1, self.mode)
+                self._next = self._build_aot(self.package.with_name("step.next.pt2"), 1, self.mode,
+                                             against=self.package)
         except Exception as exc:
             self.notes.append(f"rebuilding the step: {_why(exc)}")
             self._proven.set()
             return
         self._next_built = self._built
-        self._when_free(self._settle)
+        got = self._child_race
+        if got is not None and len(got["ms"]) == 3:
+            self._settle(got)
+        else:                                       # built in this process, or no room in the child for both
+            self._when_free(lambda: self._settle(self._quiet_race([None, self._next, self._fn])))
 
-    def _settle(self) -> None:
-        """Race the eager step, the live step and the rebuilt one, and keep the faster
-        package (rebuilds are counted in the proof: a step that falls short after
+    def _settle(self, got: dict) -> None:
+        """Keep the faster of the rebuilt package and the live one, from a race of
+        [eager, new, old] (rebuilds are counted in the proof: a step that falls short after
         MAX_REBUILDS quiet rebuilds is what this machine does)."""
-        (eager, old_ms, new_ms), rate = self._quiet_race([None, self._fn, self._next])
+        eager, new_ms, old_ms = got["ms"]
         new_path = self.package.with_name("step.next.pt2")
         keep_new = new_ms < old_ms
         if keep_new:
@@ -379,7 +358,8 @@ class CompiledStep:
         self.rebuilt = "kept new" if keep_new else "kept old"
         self.notes.append(f"rebuilt quiet ({self.short}): {new_ms:.2f} ms against {old_ms:.2f}, {self.rebuilt}")
         self.proof["rebuilds"] = self.proof.get("rebuilds", 0) + 1
-        self.proof["race"] = proof.race(eager, min(new_ms, old_ms), self.target.weight_bytes(), rate)
+        self.proof["race"] = proof.race(eager, min(new_ms, old_ms), self.target.weight_bytes(), got["bandwidth"],
+                                        where=self.built_in or "process")
         proof.write(self.package, self.proof)
         self.short = proof.short(self.proof)
         self._proven.set()
@@ -404,14 +384,17 @@ class CompiledStep:
             path.unlink(missing_ok=True)
             return None
 
-    def _build_aot(self, path: Path, rows: int, mode: str):
+    def _build_aot(self, path: Path, rows: int, mode: str, against: Path | None = None):
         """Build the package of a pass of `rows` positions at `path` (in a child process
         where one can: engine/compile/builder.py), load and check it; a miscompile is deleted, not
         kept for the next start."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._child_race = None
         if self._in_child():
             self.built_in = "child"
-            record = builder.build(self.target.recipe, path, mode, rows, private_cache=not _USER_CACHE_DIR)
+            record = builder.build(self.target.recipe, path, mode, rows, private_cache=not _USER_CACHE_DIR,
+                                   against=against)
+            self._child_race = record.pop("race", None) if rows == 1 else None
         else:
             self.built_in = "process"
             scratch = self._scratch(dynamic=False)
