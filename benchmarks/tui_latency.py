@@ -7,8 +7,10 @@
   callback scheduled every 10 ms (its oversleep: what a keypress or a repaint waits for
   when the decoding thread holds the interpreter), and how long each batch of streamed
   text takes to be drawn.
-- **Decode speed** in the UI against the bare engine on the same prompt: what drawing
-  costs the model.
+- **Decode speed** in the UI against the bare engine on the same prompt and the same
+  compiled step (`--compile cached`, the default, loads the package an earlier start built;
+  `off` decodes eagerly): what drawing costs the model. The bare engine runs before and
+  after the UI's answers, and its median covers both.
 
 The app runs headless (Textual's run_test) at 120x40 on the real demo model, greedy,
 with its end-of-turn tokens removed so each answer runs until it is stopped.
@@ -162,14 +164,23 @@ def main() -> int:
     p.add_argument("--model", default=None, help="default: the demo model")
     p.add_argument("--flush", type=float, default=None,
                    help="seconds between UI updates while streaming (default: the app's FLUSH_SECONDS)")
+    p.add_argument("--compile", default="cached", choices=("cached", "on", "off"),
+                   help="the compiled step: cached (load one built earlier), on (build it if missing), off")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "tui_latency.json"))
     args = p.parse_args()
     if args.flush is not None:
         app_module.FLUSH_SECONDS = args.flush
-    eng = in_thread(engine.open, args.model)
+    eng = in_thread(lambda: engine.open(args.model, compile=args.compile))
+    step = eng.target.compiled
+    if step is not None:
+        in_thread(lambda: (step.wait(3600), step.wait_proven(1800)))
+        from engine.compile import worker
+        while worker.busy():             # nothing of ours in the background while timing
+            time.sleep(0.5)
     eng.stop_ids = frozenset()       # answers run until Esc
-    bare = in_thread(bare_decode_tps, eng, 96, args.runs)
+    bare = in_thread(bare_decode_tps, eng, 96, (args.runs + 1) // 2)
     raw = asyncio.run(measure(eng, args.runs, max_tokens=2000))
+    bare += in_thread(bare_decode_tps, eng, 96, (args.runs + 1) // 2)
     late = [x * 1e3 for x in raw["loop_late_ms"]]
     draw = [x * 1e3 for x in raw["draw_ms"]]
     result = {
@@ -185,7 +196,10 @@ def main() -> int:
                                "samples": len(late), "tick_ms": TICK * 1e3},
         "draw_batch_ms": {"p50": round(percentile(draw, 0.5), 2), "p95": round(percentile(draw, 0.95), 2),
                           "max": round(max(draw), 2), "batches": len(draw)},
-        "decode_tps": {"bare_engine": round(median(bare), 1), "in_ui": round(median(raw["ui_decode_tps"]), 1)},
+        "decode_tps": {"bare_engine": round(median(bare), 1), "in_ui": round(median(raw["ui_decode_tps"]), 1),
+                       "ratio": round(median(raw["ui_decode_tps"]) / median(bare), 3),
+                       "bare_each": [round(x, 1) for x in bare], "ui_each": [round(x, 1) for x in raw["ui_decode_tps"]]},
+        "compiled_step": step.state if step is not None else "off",
         "flush_seconds": app_module.FLUSH_SECONDS,
         "target_esc_to_stop_ms": 200,
     }

@@ -101,7 +101,7 @@ def test_cli_ctrl_c_keeps_what_was_printed():
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     got += out or b""
-    assert proc.returncode == 130
+    assert proc.returncode == 130, (len(got), got[-120:], err[-400:])
     assert len(got) >= 40 and b"interrupted" in err and b"Traceback" not in err
 
 
