@@ -89,9 +89,13 @@ def test_cli_json_text_equals_streamed_text():
 
 
 def test_cli_ctrl_c_keeps_what_was_printed():
+    # Ctrl-C as a terminal delivers it: to a process whose SIGINT is not ignored. A suite run
+    # in the background by a non-interactive shell (`pytest &`) ignores SIGINT itself, and
+    # children inherit that (the CLI then rightly ignores it too, as `nohup localchat` should).
     proc = subprocess.Popen([sys.executable, "-m", "localchat", "-n", "2000",
                              "Write a long story about a lighthouse keeper."],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.set_blocking(proc.stdout.fileno(), False)
     got, deadline = b"", time.time() + 120
     while len(got) < 40 and time.time() < deadline:
