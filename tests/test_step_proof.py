@@ -4,13 +4,11 @@ noticed and rebuilt once the machine is quiet, and `localchat doctor` shows each
 measured speed. The load is real: busy-loop processes beside the build."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 
-import pytest
 
 import engine
 from engine.compile import proof, quiet
