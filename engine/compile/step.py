@@ -395,6 +395,8 @@ class CompiledStep:
             record = builder.build(self.target.recipe, path, mode, rows, private_cache=not _USER_CACHE_DIR,
                                    against=against)
             self._child_race = record.pop("race", None) if rows == 1 else None
+            if record.get("race_error"):
+                self.notes.append(f"the build's race of the step failed ({record.pop('race_error')})")
         else:
             self.built_in = "process"
             scratch = self._scratch(dynamic=False)
