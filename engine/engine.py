@@ -101,11 +101,12 @@ class Engine:
             step.want_rows(self._verify_rows())
             self._compile_drafter(*self._compile_args)
 
-    def start_compile(self, cache_dir: Path | None = None, build: bool = True) -> bool:
+    def start_compile(self, cache_dir: Path | None = None, build: bool = True, late: bool = False) -> bool:
         """Compile the decode step of the target, then of a model drafter, in the
         background (engine/compile/step.py). Resident targets with the fast forward can, exact
         or quantized; streamed targets decode eagerly (`compile_note` says why).
-        build=False only loads steps an earlier start left in the cache."""
+        build=False only loads steps an earlier start left in the cache; late=True loads them
+        once the first answer's first token is out (engine/compile/worker.py)."""
         t = self.target
         if not _compilable(t):
             self.compile_note = (f"the {_weights_label(t)} target runs transformers' own layers (a hybrid or another "
@@ -114,7 +115,7 @@ class Engine:
                                  f"the {_weights_label(t)} {t.kind} target decodes eagerly")
             return False
         root = cache_dir or _checkpoint.default_cache_dir()
-        self._compile_args = (root, build)
+        self._compile_args = (root, build, late)
         if t.compiled is None:
             short, rows = _no_room_to_compile(t), self._verify_rows()
             if short:
@@ -123,9 +124,9 @@ class Engine:
                 if not rows:
                     return False
             t.compiled = _compiled_step(t, self.name, self.dtype, self.checkpoint.path, root, self.device,
-                                        build=build, rows=rows, step=not short)
+                                        build=build, rows=rows, step=not short, late=late)
             t.compiled.start()
-        self._compile_drafter(root, build)
+        self._compile_drafter(root, build, late)
         return True
 
     def _verify_rows(self) -> tuple[int, ...]:
@@ -136,12 +137,12 @@ class Engine:
         widest = (self.draft_tokens if self.draft_tokens is not None else self.max_draft) + 1
         return tuple(r for r in exported.VERIFY_ROWS if r <= widest)
 
-    def _compile_drafter(self, root: Path, build: bool) -> None:
+    def _compile_drafter(self, root: Path, build: bool, late: bool = False) -> None:
         d = self.drafter
         if d.kind == "model" and _compilable(d.target) and d.target.compiled is None \
                 and not _no_room_to_compile(d.target):
             d.target.compiled = _compiled_step(d.target, d.name, d.target.dtype, d.path, root, self.device,
-                                               build=build)
+                                               build=build, late=late)
             d.target.compiled.start()
 
     def new_controller(self) -> DraftController:

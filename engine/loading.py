@@ -48,8 +48,10 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     compile: off | on | auto | cached — build the compiled decode step in the background
     (engine/compile/step.py) and switch to it when ready; auto and on do so for a resident target
     with the fast forward (the others decode eagerly), on also says why not in
-    `eng.compile_note`; cached only loads a step an earlier start built, never builds one."""
-    if compile not in ("off", "on", "auto", "cached"):
+    `eng.compile_note`; cached only loads a step an earlier start built, never builds one;
+    oneshot is cached for a single answer: the step loads once that answer's first token is
+    out, so the first token comes as soon as eagerly and the load overlaps its reading."""
+    if compile not in ("off", "on", "auto", "cached", "oneshot"):
         raise BadRequest(f"--compile {compile}: choose auto, on or off")
     _check_drafter(drafter, draft_model, drafter_weights)      # before loading anything: fail fast
     if draft_tokens is not None and not 0 <= draft_tokens <= 64:
@@ -96,7 +98,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     eng.plan = plan
     eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast, weights=drafter_weights)
     if compile != "off":
-        eng.start_compile(cache_dir, build=compile != "cached")
+        eng.start_compile(cache_dir, build=compile not in ("cached", "oneshot"), late=compile == "oneshot")
     return eng
 
 

@@ -162,6 +162,8 @@ class Chat:
                 if delta:
                     answer["content"] += delta
                     yield TextDelta(delta)
+                if i == 0:
+                    compile_worker.first_token()     # (the consumer has shown it: a late step loads now)
                 if tokens[-1] in eng.stop_ids:
                     reason = "stop"
                 if tracker.due():

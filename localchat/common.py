@@ -33,7 +33,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
     p.add_argument("--compile", choices=["auto", "on", "off"],
                    help="compile the decode step in the background and switch to it when ready (resident exact "
-                        "weights); auto (default) = in the chat UI, where a session lasts long enough to gain")
+                        "weights); auto (default) = build it in the chat UI, where a session lasts long enough to "
+                        "gain; a one-shot answer uses the step an earlier start built")
     spec = p.add_argument_group("speculative decoding (never changes the answer)")
     spec.add_argument("--drafter", choices=["auto", "ngram", "model", "none"],
                       help="who proposes tokens: ngram (prompt lookup, free), model (--draft-model), none; "
@@ -117,16 +118,19 @@ def load_settings(args: argparse.Namespace) -> config_mod.Settings | None:
     return settings
 
 
+# What --compile auto resolves to for a one-shot answer: load the step an earlier start
+# built once the first token is out, never build one (the answer would not live to use it).
+ONESHOT_COMPILE = "oneshot"
+
+
 def compile_mode(settings: config_mod.Settings, interactive: bool) -> str:
-    """--compile auto compiles for the chat UI, whose sessions last long enough to gain
-    from it. A one-shot answer decodes eagerly: it would not live to use a build, and even
-    loading a step an earlier start built costs more than it gains unless the answer is
-    long. Measured on the demo model, float32, 128 tokens (benchmarks/oneshot_start.py):
-    the load during the answer pushed the first token from 0.14 to 0.55 s and stalled the
-    stream for 1.1 s, and the answer took 6.6 s against 5.5 s eager; it pays after about
-    250-300 tokens. --compile on asks for it anyway."""
+    """--compile auto builds the step for the chat UI, whose sessions last long enough to
+    gain from a build, and loads the one it left for a one-shot answer: loading a built
+    step is cheap (its library, kept on disk: engine/compile/exported.py), and from the
+    first tokens on it decodes at the compiled speed (benchmarks/oneshot_start.py).
+    --compile on builds for a one-shot answer too; off never compiles."""
     if settings.compile == "auto":
-        return "auto" if interactive else "off"
+        return "auto" if interactive else ONESHOT_COMPILE
     return settings.compile
 
 

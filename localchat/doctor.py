@@ -127,7 +127,7 @@ def doctor_main(argv: list[str]) -> int:
                "bandwidth": read,
                "plan": plan.as_dict(), "fidelity": {k: v.as_dict() for k, v in fid.items()},
                "compiled_steps": [{"path": str(p), "bytes": n,
-                                   **({"proof": proof.read(p)} if p.name == "step.pt2" else {})} for p, n in steps]}
+                                   **({"proof": proof.read(p)} if p.stem == "step" else {})} for p, n in steps]}
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print(_hw_text(hw))
@@ -150,12 +150,12 @@ def doctor_main(argv: list[str]) -> int:
     if hint:
         print(hint)
     if steps:
-        n_steps = sum(p.name == "step.pt2" for p, _ in steps)
+        n_steps = sum(p.stem == "step" for p, _ in steps)
         print(f"Compiled decode steps: {n_steps} built, {len(steps) - n_steps} verify passes, "
               f"{human_bytes(sum(n for _, n in steps))} in {steps[0][0].parent.parent} "
               "(a step holds a copy of its model's weights; delete a folder to reclaim it)")
         for p, _ in steps:
-            if p.name == "step.pt2":
+            if p.stem == "step":
                 what = (package_dirs.lineage_of(p.parent) or p.parent.name).replace("|", " · ")
                 print(f"  {what}: {proof.describe(proof.read(p))}")
     return EXIT_OK

@@ -182,13 +182,14 @@ def test_one_shot_with_compile_on_answers_without_waiting_for_the_compile(tiny_l
     assert "compiling in the background" in err and "Traceback" not in err
 
 
-def test_a_one_shot_answer_decodes_eagerly_by_default():
-    # --compile auto: the chat UI compiles; a one-shot answer neither builds a step nor
-    # loads a built one (during the answer that costs more than it gains, see
-    # localchat/cli.py compile_mode); --compile on still asks for it.
+def test_a_one_shot_answer_uses_a_built_step_but_never_builds_one():
+    # --compile auto: the chat UI builds; a one-shot answer loads the step an earlier start
+    # built, after its first token (end to end: tests/test_compiled.py); --compile on
+    # builds for it too, off never compiles.
     assert common.compile_mode(config.Settings(compile="auto"), interactive=True) == "auto"
-    assert common.compile_mode(config.Settings(compile="auto"), interactive=False) == "off"
+    assert common.compile_mode(config.Settings(compile="auto"), interactive=False) == "oneshot"
     assert common.compile_mode(config.Settings(compile="on"), interactive=False) == "on"
+    assert common.compile_mode(config.Settings(compile="off"), interactive=False) == "off"
 
 
 def test_compile_flag_and_setting_are_checked(tiny_llama):

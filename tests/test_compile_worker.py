@@ -102,7 +102,7 @@ def test_a_child_build_stops_while_an_answer_runs(tiny_llama, tmp_path):
     assert step._in_child()
     built = {}
     worker = threading.Thread(target=lambda: built.setdefault("fn", step._build_aot(
-        step.cache_dir / "verify-2.pt2", 2, "default")))
+        step.cache_dir / "verify-2.so", 2, "default")))
     worker.start()
     wait_until(lambda: builder.running(), 30)
     pid = builder.running()[0]
@@ -115,7 +115,7 @@ def test_a_child_build_stops_while_an_answer_runs(tiny_llama, tmp_path):
         compile_worker.resume()
     wait_until(lambda: _state(pid) not in ("T", ""), 10)
     worker.join(600)
-    assert step.built_in == "child" and (step.cache_dir / "verify-2.pt2").exists()
+    assert step.built_in == "child" and (step.cache_dir / "verify-2.so").exists()
     assert built["fn"].rows == 2 and step.check_error < 1e-3
     assert not builder.running()
 
@@ -124,9 +124,9 @@ def test_a_failed_child_build_says_why_in_one_line(tiny_llama, tmp_path):
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
     recipe = dict(eng.target.recipe, path=str(tmp_path / "gone"))
     with pytest.raises(RuntimeError) as err:
-        builder.build(recipe, tmp_path / "step.pt2", "default", 1, private_cache=True)
+        builder.build(recipe, tmp_path / "step.so", "default", 1, private_cache=True)
     assert "gone" in str(err.value) and "\n" not in str(err.value)
-    assert not (tmp_path / "step.pt2").exists() and not builder.running()
+    assert not (tmp_path / "step.so").exists() and not builder.running()
 
 
 def test_a_child_build_ends_with_the_chat(tiny_llama, tmp_path):
@@ -139,7 +139,7 @@ import engine
 from engine.compile import builder
 eng = engine.open({str(tiny_llama)!r}, dtype="float32", drafter="none")
 from pathlib import Path
-threading.Thread(target=builder.build, args=(eng.target.recipe, Path({str(tmp_path)!r}) / "step.pt2", "default", 1, True),
+threading.Thread(target=builder.build, args=(eng.target.recipe, Path({str(tmp_path)!r}) / "step.so", "default", 1, True),
                  daemon=True).start()
 while not builder.running():
     time.sleep(0.05)

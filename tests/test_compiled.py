@@ -106,6 +106,63 @@ def test_cached_mode_loads_a_built_step_and_never_builds_one(compiled_engine, ti
     assert not step.package.exists()
 
 
+def test_a_one_shot_step_loads_once_the_first_token_is_out(compiled_engine, tiny_llama, compile_cache, eager_ids):
+    # What `localchat "question"` runs with --compile auto: the step an earlier start built,
+    # loaded after the answer's first token (the first token comes as early as eagerly,
+    # and the load runs beside the decoding), and the answer is the eager one.
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", compile="oneshot", cache_dir=compile_cache)
+    step = eng.target.compiled
+    assert step.late and not step.build
+    assert not step.wait(1.5) and step.state == "compiling"      # no answer yet: nothing loaded
+    chat = eng.chat()
+    events = chat.send(PROMPT, max_new_tokens=40)
+    next(events)
+    assert step.wait(120) and step.source == "cache", step.notes
+    list(events)
+    assert chat.last_done.token_ids == eager_ids
+    assert chat.last_stats.compile_state == "ready"
+
+
+def test_the_one_shot_cli_uses_the_built_step_and_builds_none(compiled_engine, tiny_llama, compile_cache, eager_ids):
+    import json
+    import subprocess
+    import sys
+    before = sorted(p.name for p in compile_cache.rglob("*") if p.is_file())
+    env = dict(os.environ, LOCALCHAT_CACHE_DIR=str(compile_cache))
+    proc = subprocess.run([sys.executable, "-m", "localchat", "--model", str(tiny_llama), "--dtype", "float32",
+                           "--drafter", "none", "-n", "40", "--json", "--no-log", PROMPT],
+                          capture_output=True, timeout=300, env=env)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr
+    out = json.loads(proc.stdout)
+    assert tuple(out["token_ids"]) == tuple(eager_ids)
+    # Loaded after the first token: whether it went live before this short answer ended
+    # is timing (the in-process test above waits for it); that nothing was built is not.
+    assert out["stats"]["compile_state"] in ("compiling", "ready")
+    assert sorted(p.name for p in compile_cache.rglob("*") if p.is_file()) == before
+
+
+def test_a_package_an_earlier_version_kept_as_an_archive_is_migrated(compiled_engine, tiny_llama, tmp_path):
+    # Earlier versions kept a CPU step as the whole AOTInductor archive, unpacked at every
+    # load; its library is taken out once (the build's choices kept) and loads from then on.
+    import zipfile
+    good = compiled_engine.target.compiled.package
+    assert good.suffix == ".so"
+    step = _unloaded(tiny_llama, tmp_path, "old")
+    step.package.parent.mkdir(parents=True)
+    archive = step.package.with_suffix(".pt2")
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("step/data/aotinductor/model/x.wrapper.cpp", "// the build's source")
+        z.write(good, "step/data/aotinductor/model/x.wrapper.so")
+    assert step._load_package() is True and step.notes == []
+    assert step.package.read_bytes() == good.read_bytes() and not archive.exists()
+    # One that is not an archive says so, and the step is built again.
+    step = _unloaded(tiny_llama, tmp_path, "bad")
+    step.package.parent.mkdir(parents=True)
+    step.package.with_suffix(".pt2").write_bytes(b"not a zip")
+    assert step._load_package() is False
+    assert "could not be read" in step.notes[0]
+
+
 def test_doctor_shows_the_built_steps_and_their_size(compiled_engine, tiny_llama, compile_cache):
     import json
     import os
@@ -177,14 +234,14 @@ def test_a_second_start_loads_the_verify_passes_and_drops_a_corrupt_one(verify_e
     # A corrupt bucket is deleted (and would be rebuilt); the others still load.
     folder = tmp_path / "inductor" / "k"
     folder.mkdir(parents=True)
-    shutil.copy(step.package, folder / "step.pt2")
-    shutil.copy(step.cache_dir / "verify-4.pt2", folder / "verify-4.pt2")
-    (folder / "verify-2.pt2").write_bytes(b"not a zip" * 100)
+    shutil.copy(step.package, folder / "step.so")
+    shutil.copy(step.cache_dir / "verify-4.so", folder / "verify-4.so")
+    (folder / "verify-2.so").write_bytes(b"not a library" * 100)
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="ngram", max_draft=3, cache_dir=tmp_path)
     broken = eng.target.compiled = compiled.CompiledStep(eng.target, tmp_path, "k", build=False, rows=(2, 4))
     broken.start()
     assert not broken.wait_passes(300)
-    assert sorted(broken.passes) == [4] and not (folder / "verify-2.pt2").exists()
+    assert sorted(broken.passes) == [4] and not (folder / "verify-2.so").exists()
     assert any("verify pass of 2 unusable, deleted" in n for n in broken.notes)
 
 
@@ -272,12 +329,15 @@ def test_leftovers_of_processes_that_are_gone_are_swept(tmp_path):
     from engine.compile import exported
     gone, alive = 4_999_999, os.getpid()       # above any pid_max: no such process
     build_dir, half = tmp_path / f".build-{gone}", tmp_path / f".step-{gone}.partial.pt2"
+    half_lib, link = tmp_path / f".step-{gone}.partial.so", tmp_path / f".load-{gone}-3.so"
     mine = tmp_path / f".build-{alive}"
     for d in (build_dir, mine):
         d.mkdir()
-    half.write_bytes(b"x")
+    for f in (half, half_lib, link):
+        f.write_bytes(b"x")
     exported._sweep(tmp_path)
-    assert not build_dir.exists() and not half.exists() and mine.exists()
+    assert not build_dir.exists() and mine.exists()
+    assert not half.exists() and not half_lib.exists() and not link.exists()
     unpacked = Path(tempfile.gettempdir()) / f"localchat-step-{gone}-abc"
     unpacked.mkdir(exist_ok=True)
     exported._sweep_unpacked()

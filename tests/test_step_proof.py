@@ -119,7 +119,7 @@ def test_a_step_built_under_load_is_noticed_and_rebuilt_when_quiet(tiny_llama, t
     kept = proof.read(step.package)
     assert kept["rebuilds"] == 1 and kept["race"]["step_ms"] > 0 and proof.short(kept) == ""
     assert kept["built"]["quiet"] or kept["built"].get("held")
-    assert not step.package.with_name("step.next.pt2").exists()
+    assert not step.package.with_name("step.next.so").exists()
     assert step.state == "ready" and answer(eng) == eager
 
     # A later start loads the kept package and does not rebuild it.

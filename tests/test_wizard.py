@@ -184,7 +184,7 @@ def test_setup_builds_the_compiled_step_so_the_first_chat_is_fast(tiny_llama, tm
     assert proc.returncode == 0, proc.stderr
     assert "Building the compiled decode step" in proc.stdout and "Compiled step built in" in proc.stdout
     assert "tok/s (eager" in proc.stdout                   # raced once built (engine/compile/proof.py)
-    assert len(list((tmp_path / "cache" / "inductor").glob("*/step.pt2"))) == 1
+    assert len(list((tmp_path / "cache" / "inductor").glob("*/step.so"))) == 1
     # A second setup (and any chat) finds it instead of building it again.
     again = subprocess.run(setup, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
     assert again.returncode == 0 and "Compiled step found (built earlier)" in again.stdout, again.stdout

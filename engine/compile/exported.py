@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import os
 import re
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
 
-from . import pages
+from . import library, pages
 
 MIN_POS = 2                      # export specialises sizes 0 and 1; position 1 runs eagerly
 # Verify passes are compiled for these numbers of positions; a pass of n positions runs in
@@ -206,7 +208,10 @@ def build(impl, kv: list[torch.Tensor], path: Path, mode: str, private_cache: bo
             {"freezing": False, "aot_inductor.package_constants_in_so": False}
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs={
             **weights, "cpp.min_chunk_size": SERIAL_BELOW, **MODES[mode]})
-        os.replace(tmp, path)
+        if path.suffix == ".so":
+            _library_out(tmp, path)
+        else:
+            os.replace(tmp, path)
     finally:
         if private_cache:
             _restore("TORCHINDUCTOR_CACHE_DIR", old)
@@ -224,7 +229,8 @@ def _restore(name: str, value: str | None) -> None:
 def _sweep(folder: Path) -> None:
     """Remove what builds of processes that are gone left behind (a process that leaves
     with os._exit mid-build cannot clean up): their half packages and build dirs."""
-    _remove_if_dead([*folder.glob(".build-*"), *folder.glob(".*-*.partial.pt2")])
+    _remove_if_dead([*folder.glob(".build-*"), *folder.glob(".*-*.partial.pt2"), *folder.glob(".*-*.partial.so"),
+                     *folder.glob(".load-*")])
 
 
 def _sweep_unpacked() -> None:
@@ -250,6 +256,47 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def suffix(device: torch.device) -> str:
+    """What a package is kept as: on a CPU its shared library alone (".so": it holds the
+    code, the call spec and the weights, and loads with no unpacking), elsewhere the whole
+    AOTInductor archive (".pt2": a GPU's kernels are files beside the library)."""
+    return ".so" if torch.device(device).type == "cpu" else ".pt2"
+
+
+def _library_out(archive: Path, path: Path) -> None:
+    """Move the shared library out of the archive `archive` to `path` (whole or not at all)
+    and remove the archive. Loading the archive unpacked every file of it at every start
+    (the weights included) and went through the archive loader: 1.3 s for the demo
+    model's float32 step, against 0.25 s to load its library (and the loader needs
+    torch._inductor, whose import is 0.85 s more)."""
+    with zipfile.ZipFile(archive) as z:
+        libs = [i for i in z.infolist() if i.filename.endswith(".so")]
+        if len(libs) != 1:
+            raise ValueError(f"{archive.name}: {len(libs)} libraries in the package, expected one")
+        tmp = path.with_name(f".{path.stem.replace('-', '')}-{os.getpid()}.partial.so")
+        try:
+            with z.open(libs[0]) as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 16 << 20)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    archive.unlink(missing_ok=True)
+
+
+def migrate(path: Path) -> None:
+    """A package an earlier version kept as an archive, where its library alone is wanted
+    now: take the library out (once; the weights and choices it was built with are kept)."""
+    old = path.with_suffix(".pt2")
+    if path.suffix == ".so" and not path.exists() and old.exists():
+        try:
+            _library_out(old, path)
+        except zipfile.BadZipFile as exc:
+            raise ValueError(f"{old.name} is not a package ({exc})") from None
+
+
+_loads = itertools.count()
+
+
 class Package:
     """A loaded package, run as a pass over `impl`'s cache: `package(impl, ids, pos)` ->
     logits (the last row's for the step, every row's for a verify pass of `rows`, padding
@@ -258,33 +305,80 @@ class Package:
     def __init__(self, path: Path, rows: int = 1, weights_of=None):
         self.path = path
         self.rows = rows
+        self.unpacked = None
+        self._loaded_as = None
+        if path.suffix == ".so":
+            self._runner = self._library(path, rows)
+            self._run = self._runner if rows == 1 else lambda *args: self._runner.run(list(args))[0]
+        else:
+            self._runner = self._archive(path)
+            self._run = self._runner
+        try:
+            if rows > 1:
+                # The loader keeps pointers to these tensors (user-managed): the forward
+                # holds them for as long as the package is used, and so does this dict.
+                self._weights = constants(weights_of, rows)
+                self._load_constants()
+        except BaseException:
+            self.release_files()
+            raise
+
+    def _library(self, path: Path, rows: int):
+        """The library loaded under a name of its own: the dynamic loader hands back a
+        library already loaded under the same name, so a package rebuilt in place (or a
+        second rebuild at `step.next.so`) would run the old code. A hard link costs
+        nothing; it is removed once loaded (the mapping keeps the file)."""
+        name = path.with_name(f".load-{os.getpid()}-{next(_loads)}.so")
+        try:
+            os.link(path, name)
+        except OSError:
+            name = path          # a read-only cache dir (nothing is rebuilt there) or no hard links
+        self._loaded_as = name
+        try:
+            if rows == 1:
+                return library.Library(name)        # (engine/compile/library.py says why)
+            return torch._C._aoti.AOTIModelContainerRunnerCpu(str(name), 1)
+        finally:
+            if name != path:
+                name.unlink(missing_ok=True)
+
+    def _archive(self, path: Path):
         # The loader unpacks the package (the weights included) into a temporary directory
         # and removes it only when the loaded model is destroyed, which a process that
         # leaves with os._exit never does: unpack into a directory of our own instead, and
         # remove it once the step has run (release_files), when nothing needs the files.
         _sweep_unpacked()
-        self._unpacked = Path(tempfile.mkdtemp(prefix=f"localchat-step-{os.getpid()}-"))
+        self.unpacked = Path(tempfile.mkdtemp(prefix=f"localchat-step-{os.getpid()}-"))
         old = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = str(self._unpacked)
+        os.environ["TMPDIR"] = str(self.unpacked)
         try:
-            self._run = torch._inductor.aoti_load_package(str(path))
-            if rows > 1:
-                # The loader keeps pointers to these tensors (user-managed): the forward
-                # holds them for as long as the package is used, and so does this dict.
-                wanted = set(self._run.get_constant_fqns())
-                self._weights = {k: v for k, v in constants(weights_of, rows).items() if k in wanted}
-                self._run.load_constants(self._weights, check_full_update=True, user_managed=True)
+            return torch._inductor.aoti_load_package(str(path))
         except BaseException:
             self.release_files()
             raise
         finally:
             _restore("TMPDIR", old)
 
+    def _load_constants(self) -> None:
+        if self.unpacked is not None:
+            wanted = set(self._runner.get_constant_fqns())
+            self._weights = {k: v for k, v in self._weights.items() if k in wanted}
+            self._runner.load_constants(self._weights, check_full_update=True, user_managed=True)
+            return
+        names = {fqn: name for name, fqn in self._runner.get_constant_names_to_original_fqns().items()}
+        self._weights = {k: v for k, v in self._weights.items() if k in names}
+        self._runner.update_constant_buffer({names[k]: v for k, v in self._weights.items()}, False, True, True)
+
     def release_files(self) -> None:
-        # The library's copy of the weights was copied out at load: its pages go back
-        # before the files go (a mapped file, deleted, would keep them to the end).
-        pages.drop_file_pages(self._unpacked)
-        shutil.rmtree(self._unpacked, ignore_errors=True)
+        """Give back the pages of the library's copy of the weights: loading copied them
+        out, and they are never read again. A kept library stays in the page cache (the
+        system's to reclaim; the next start loads from it); an unpacked archive goes."""
+        if self._loaded_as is not None:
+            pages.drop_file_pages(self._loaded_as.parent, only=self._loaded_as, keep_cached=True)
+        if self.unpacked is not None:
+            # (a mapped file, deleted, would keep its pages to the end)
+            pages.drop_file_pages(self.unpacked)
+            shutil.rmtree(self.unpacked, ignore_errors=True)
 
     def __call__(self, impl, ids: torch.Tensor, pos: int) -> torch.Tensor:
         impl._rope(pos, self.rows, impl.norm)       # the table must reach the pass (it grows, rarely)

@@ -55,7 +55,10 @@ def cached_steps(root: Path) -> list[tuple[Path, int]]:
     """The packages built under the cache dir `root`, with their sizes (each holds a copy
     of its model's weights: `localchat doctor` shows where the disk went)."""
     folder = Path(root) / "inductor"
-    return [(p, p.stat().st_size) for p in sorted(folder.glob("*/*.pt2"))] if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return [(p, p.stat().st_size) for p in sorted([*folder.glob("*/*.pt2"), *folder.glob("*/*.so")])
+            if not p.name.startswith(".")]
 
 
 def lineage(name: str, dtype, weights: str, device) -> str:

@@ -68,25 +68,30 @@ def _libc():
         return None
 
 
-def drop_file_pages(folder: Path) -> int:
+def drop_file_pages(folder: Path, only: Path | None = None, keep_cached: bool = False) -> int:
     """Give back the resident pages of this process's read-only, non-executable mappings
-    of the files under `folder` that hold exactly the file's bytes (no page of theirs was
-    ever written: relocated data, also read-only once relocated, is kept), and drop the
-    files from the page cache. A page dropped and read again is read from the file, so
-    this changes no data. Returns the bytes given back."""
+    of the files under `folder` (or of the file `only`, deleted or not) that hold exactly
+    the file's bytes (no page of theirs was ever written: relocated data, also read-only
+    once relocated, is kept), and drop the files from the page cache unless `keep_cached`
+    (a file that stays on disk to be loaded again: the system reclaims its cache when it
+    needs the memory, and meanwhile the next load reads it from memory). A page dropped and
+    read again is read from the file, so this changes no data. Returns the bytes given back."""
     lib = _libc()
     if lib is None:
         return 0
     prefix = str(Path(folder)) + os.sep
     freed, files = 0, set()
     for m in mappings():
-        if not m.path.startswith(prefix) or m.perms[:3] != "r--" or m.fields.get("Anonymous", 1) != 0:
+        path = m.path.removesuffix(" (deleted)")
+        if only is not None and path != str(only):
+            continue
+        if not path.startswith(prefix) or m.perms[:3] != "r--" or m.fields.get("Anonymous", 1) != 0:
             continue
         rss = m.fields.get("Rss", 0)
         if rss and lib.madvise(m.start, m.size, _MADV_DONTNEED) == 0:
             freed += rss
-            files.add(m.path.removesuffix(" (deleted)"))
-    for path in files:
+            files.add(path)
+    for path in files if not keep_cached else ():
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:

@@ -74,19 +74,22 @@ class CompiledStep:
     and packaged) or "jit" (torch.compile, when no package could be made)."""
 
     def __init__(self, target, cache_dir: Path | None, key: str, mode: str = MODE, build: bool = True,
-                 rows: tuple[int, ...] = (), step: bool = True, lineage: str = ""):
+                 rows: tuple[int, ...] = (), step: bool = True, lineage: str = "", late: bool = False):
         self.target = target
         self.lineage = lineage           # what the package is a version of (package_dirs.lineage)
         self._marked = False
         self.step = step                 # False: verify passes only (no memory for the step's own weights)
         self.build = build               # False: only load a package an earlier start built
+        self.late = late                 # load once an answer's first token is out (worker.first_token)
+        self._tokens_at_start = 0
         self.mode = mode
         self.state = "compiling"
         self.error = ""
         self.source = ""
         self.seconds = 0.0               # how long the compile (or the load) took, pauses included
         self.cache_dir = Path(cache_dir) / "inductor" / key if cache_dir else None
-        self.package = self.cache_dir / "step.pt2" if self.cache_dir else None
+        self._suffix = exported.suffix(getattr(target, "device", "cpu"))
+        self.package = self.cache_dir / f"step{self._suffix}" if self.cache_dir else None
         self.notes: list[str] = []       # attempts that failed on the way (why a fallback ran)
         self.check_error = None          # the live step's relative logit error against eager (_check)
         self.built_in = ""               # where the last package was built: child | process
@@ -117,7 +120,23 @@ class CompiledStep:
         exported.as_parameters(impl)
         # The rotary table the real step will read: built now, shared with the scratch copy.
         impl._rope(0, self.target.cache.capacity, impl.norm)
-        worker.submit(self._compile, self._done)
+        self._tokens_at_start = worker.first_tokens()
+        if self.late:
+            worker.submit(self._late, threading.Event())
+        else:
+            worker.submit(self._compile, self._done)
+
+    def _late(self) -> None:
+        """Load once an answer's first token is out: loading copies the weights out of the
+        library, a few tenths of a second of memory traffic that would slow the prefill.
+        Queued again meanwhile, so the worker's other jobs are not held up."""
+        if not worker.wait_for_first_token(self._tokens_at_start, 0.5):
+            worker.submit(self._late, threading.Event())
+            return
+        try:
+            self._compile()
+        finally:
+            self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the compile ends (tests and benchmarks); True when it is ready."""
@@ -190,7 +209,7 @@ class CompiledStep:
 
     def _compile_passes(self) -> None:
         for rows in [r for r in self.rows if r not in self.passes and r not in self._gave_up]:
-            path = self.cache_dir / f"verify-{rows}.pt2"
+            path = self.cache_dir / f"verify-{rows}{self._suffix}"
             # Buckets load (and build) between answers: loading one during an answer
             # slowed a warm start's first answer (one-shot, demo model) from 40 to 30 tok/s
             # for the two seconds it took. (This thread holds no OpenMP team: worker.off_thread.)
@@ -326,7 +345,7 @@ class CompiledStep:
             return
         try:
             with worker.building():
-                self._next = self._build_aot(self.package.with_name("step.next.pt2"), 1, self.mode,
+                self._next = self._build_aot(self.package.with_name(f"step.next{self._suffix}"), 1, self.mode,
                                              against=self.package)
         except Exception as exc:
             self.notes.append(f"rebuilding the step: {_why(exc)}")
@@ -344,7 +363,7 @@ class CompiledStep:
         [eager, new, old] (rebuilds are counted in the proof: a step that falls short after
         MAX_REBUILDS quiet rebuilds is what this machine does)."""
         eager, new_ms, old_ms = got["ms"]
-        new_path = self.package.with_name("step.next.pt2")
+        new_path = self.package.with_name(f"step.next{self._suffix}")
         keep_new = new_ms < old_ms
         if keep_new:
             os.replace(new_path, self.package)
@@ -375,6 +394,11 @@ class CompiledStep:
     def _load(self, path: Path, rows: int, what: str):
         """The package at `path` if it is there and checks out; else None, and a package
         that does not load or check out is deleted."""
+        try:
+            exported.migrate(path)
+        except (OSError, ValueError) as exc:
+            self.notes.append(f"{what}: the earlier version's archive could not be read ({_why(exc)})")
+            path.with_suffix(".pt2").unlink(missing_ok=True)
         if not path.exists():
             return None
         try:
@@ -435,7 +459,14 @@ class CompiledStep:
         package = exported.Package(path, rows, weights_of=self.target.impl if rows > 1 else None)
         try:
             self._check(package, rows)
-        finally:
+        except BaseException:
+            package.release_files()
+            raise
+        if worker.answering() and package.unpacked is None:
+            # A late step (a one-shot answer's) goes live first: giving back the library's
+            # pages reads this process's whole memory map (tens of ms), after the answer.
+            self._when_free(package.release_files)
+        else:
             package.release_files()
         return package
 

@@ -124,6 +124,30 @@ def answering() -> bool:
     return not _go.is_set()
 
 
+# How many answers have handed out their first token (engine/session.py): a step that
+# loads late (a one-shot answer's) waits for the next one.
+_first_tokens = 0
+_token_out = threading.Condition()
+
+
+def first_token() -> None:
+    global _first_tokens
+    with _token_out:
+        _first_tokens += 1
+        _token_out.notify_all()
+
+
+def first_tokens() -> int:
+    return _first_tokens
+
+
+def wait_for_first_token(after: int, timeout: float | None = None) -> bool:
+    """Block until an answer's first token is out, counting from `after` (first_tokens()),
+    or `timeout` seconds; True when one is."""
+    with _token_out:
+        return _token_out.wait_for(lambda: _first_tokens > after, timeout)
+
+
 class Later(Exception):
     """A race found an answer running: it is run again once the answers are done."""
 
