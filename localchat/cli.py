@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "opens the chat UI; with a prompt (arguments and/or stdin) prints the answer. "
                     "`localchat setup` picks and fetches a model for this machine; `localchat doctor` shows the hardware and the memory plan; "
                     "`localchat bench --help` measures speculative decoding on this machine; "
-                    "`localchat history` lists, shows and exports saved conversations.",
+                    "`localchat history` lists, shows and exports saved conversations; "
+                    "`localchat serve` serves the model over an OpenAI-compatible API.",
         epilog="examples:  localchat   |   localchat \"Why is the sky blue?\"   |   "
                "echo \"Summarise this\" | localchat --stats")
     p.add_argument("prompt", nargs="*", help="the question (one-shot mode); stdin text comes first")
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "setup":
         from .wizard import setup_main
         return _leave(setup_main(argv[1:]))
+    if argv and argv[0] == "serve":
+        from .serve_cli import serve_main
+        return serve_main(argv[1:])
     if argv and argv[0] == "history":
         from .history_cli import history_main
         return history_main(argv[1:])

@@ -1,0 +1,94 @@
+"""`localchat serve`: the engine behind an OpenAI-compatible HTTP API (localchat/server/).
+
+    localchat serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue 4]
+                    [every model, profile and drafter flag of the chat]
+
+Loopback only unless --host says otherwise; --host 0.0.0.0 without --api-key warns. The
+engine loads once, after the port is open (GET /health: loading, then ready), and builds
+its compiled step in the background as the chat UI does. One line per request on stderr."""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+from .argparsing import Parser
+from .common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, compile_mode, error, load_settings, open_engine
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="localchat serve",
+               description="Serve the model over an OpenAI-compatible API: POST /v1/chat/completions (streamed "
+                           "or not), GET /v1/models, GET /health. One answer at a time; requests wait in a "
+                           "bounded queue.",
+               epilog="example:  localchat serve --port 8000   then   "
+                      "OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none <any OpenAI client>")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("LOCALCHAT_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $LOCALCHAT_API_KEY, else none)")
+    p.add_argument("--max-queue", type=int, default=4, metavar="N",
+                   help="requests that may wait while one is answered (default 4); more get 503 and Retry-After")
+    p.add_argument("--queue-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds a request may wait in the queue (default 120)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model id clients ask for (default: the model's name)")
+    p.add_argument("--max-tokens", "-n", type=int, metavar="N",
+                   help="tokens an answer may have when a request does not say (default: the config's, 1024)")
+    add_model_flags(p)
+    return p
+
+
+def serve_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    for flag, value, ok in (("--port", args.port, 0 <= args.port <= 65535), ("--max-queue", args.max_queue,
+                            args.max_queue >= 0), ("--queue-timeout", args.queue_timeout, args.queue_timeout > 0)):
+        if not ok:
+            error(f"{flag} {value}: out of range")
+            return EXIT_USAGE
+    settings = load_settings(args)
+    if settings is None:
+        return EXIT_USAGE
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        error(f"warning: --host {args.host} without --api-key: anyone who can reach this machine can use the model")
+    try:
+        import uvicorn
+        from .server.app import make_app
+        from .server.runner import Runner
+    except ImportError as exc:
+        error(f"localchat serve needs fastapi and uvicorn ({exc.name} is missing): pip install fastapi uvicorn")
+        return EXIT_FAIL
+    try:
+        sock = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host
+                                    else socket.AF_INET, reuse_port=False)
+    except OSError as exc:
+        error(f"--host {args.host} --port {args.port}: cannot listen there ({exc.strerror or exc})")
+        return EXIT_USAGE
+    name = args.served_model_name or _model_id(settings.model)
+    runner = Runner(lambda: open_engine(settings, compile=compile_mode(settings, interactive=True)),
+                    max_queue=args.max_queue, queue_timeout_s=args.queue_timeout, max_tokens=settings.max_tokens)
+    runner.start()
+    app = make_app(runner, name, aliases=tuple(filter(None, [settings.model])), api_key=args.api_key)
+    host, port = sock.getsockname()[:2]
+    print(f"localchat serve: http://{host if ':' not in host else f'[{host}]'}:{port}/v1 · model {name!r} · "
+          f"loading (GET /health)", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        runner.stop()
+    print("localchat serve: stopped", file=sys.stderr, flush=True)
+    # The engine thread may be inside an answer or a compile: leave without tearing it down.
+    sys.stderr.flush()
+    os._exit(EXIT_OK)
+
+
+def _model_id(model: str | None) -> str:
+    if not model:
+        return "SmolLM2-135M-Instruct"
+    from pathlib import Path
+    p = Path(model)
+    return (p.stem if p.suffix == ".gguf" else p.name) if p.exists() else model

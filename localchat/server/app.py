@@ -1,0 +1,200 @@
+"""The HTTP API, in OpenAI's shapes: POST /v1/chat/completions (streamed as server-sent
+events ending in `data: [DONE]`, or whole), GET /v1/models, GET /health.
+
+FastAPI on uvicorn, as vLLM and SGLang serve: async request handling (a client waiting in
+the queue or reading a stream costs no thread), the event loop apart from the engine's
+thread (engine/... runs on runner.Runner's). Every response carries `usage` and, like
+llama-server's `timings`, the engine's own figures for the answer."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import sys
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .requests import ApiError, parse_chat
+from .runner import Job, Runner
+
+MAX_BODY = 4 << 20                      # bytes: a conversation, not an upload
+
+
+def timings(stats, profile: str | None) -> dict:
+    if stats is None:
+        return {}
+    return {"prompt_n": stats.prompt_tokens, "prompt_cached": stats.prompt_tokens - stats.prefill_tokens,
+            "prefill_tokens": stats.prefill_tokens, "prefill_per_second": round(stats.prefill_tps, 2),
+            "predicted_n": stats.generated_tokens, "decode_per_second": round(stats.decode_tps, 2),
+            "tokens_per_pass": round(stats.tokens_per_pass, 3), "acceptance": round(stats.acceptance, 3),
+            "draft_k": stats.draft_k, "compiled_step": stats.compile_state, "profile": profile}
+
+
+def usage(stats) -> dict:
+    p, c = (stats.prompt_tokens, stats.generated_tokens) if stats is not None else (0, 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": (stats.prompt_tokens - stats.prefill_tokens) if stats else 0}}
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _log(status: int, path: str, t0: float, stats=None, note: str = "") -> None:
+    line = f"localchat serve: {status} {path} {time.monotonic() - t0:.2f}s"
+    if stats is not None:
+        line += (f" · {stats.prompt_tokens} prompt ({stats.prefill_tokens} prefilled) + {stats.generated_tokens} tokens"
+                 f" · prefill {stats.prefill_tps:.0f} tok/s · decode {stats.decode_tps:.1f} tok/s")
+    print(line + (f" · {note}" if note else ""), file=sys.stderr, flush=True)
+
+
+def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="localchat", docs_url=None, redoc_url=None, openapi_url=None)
+    names = {model_id, *aliases}
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return _error(exc)
+
+    @app.middleware("http")
+    async def gate(request: Request, call_next):
+        t0 = time.monotonic()
+        if api_key and request.url.path != "/health":
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.removeprefix("Bearer ").strip().encode(), api_key.encode()):
+                _log(401, request.url.path, t0)
+                return _error(ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
+                                       kind="authentication_error", code="invalid_api_key"))
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
+            _log(413, request.url.path, t0)
+            return _error(ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        body = {"status": runner.state, "model": model_id, "queued": runner.queued()}
+        if runner.error:
+            body["error"] = runner.error
+        return JSONResponse(body, status_code=200 if runner.state == "ready" else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
+                                            "owned_by": "localchat"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        t0 = time.monotonic()
+        try:
+            raw = await request.body()
+            if len(raw) > MAX_BODY:
+                raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB")
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise ApiError(400, f"the request body is not JSON ({exc})") from None
+            req = parse_chat(body)
+            if req.model not in names:
+                raise ApiError(404, f"model {req.model!r} is not served here; GET /v1/models lists {model_id!r}",
+                               param="model", code="model_not_found")
+            loop = asyncio.get_running_loop()
+            job = Job(req, loop, asyncio.Queue())
+            runner.submit(job)
+        except ApiError as exc:
+            _log(exc.status, request.url.path, t0, note=exc.message)
+            return _error(exc)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        profile = runner.engine.plan.chosen if runner.engine is not None and runner.engine.plan else None
+        if req.stream:
+            # Headers wait for the answer's first event: a request refused in the queue (or a
+            # conversation the context cannot hold) still gets its status, not a 200 stream.
+            try:
+                first = await _next(job, request)
+            except asyncio.CancelledError:
+                job.cancelled.set()
+                raise
+            if first[0] == "error":
+                _log(first[1].status, request.url.path, t0, note=first[1].message)
+                return _error(first[1])
+            return StreamingResponse(_stream(job, first, cid, created, model_id, profile, request, t0),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(job, cid, created, model_id, profile, request, t0)
+
+    return app
+
+
+async def _next(job: Job, request: Request):
+    """The job's next event; cancels the job when the client has gone."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), 0.25)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancelled.set()
+
+
+async def _whole(job, cid, created, model, profile, request, t0):
+    parts = []
+    try:
+        while True:
+            kind, value = await _next(job, request)
+            if kind == "text":
+                parts.append(value)
+            elif kind == "error":
+                _log(value.status, request.url.path, t0, note=value.message)
+                return _error(value)
+            else:
+                break
+    except asyncio.CancelledError:
+        job.cancelled.set()
+        raise
+    if value is None or value.get("cancelled"):
+        _log(499, request.url.path, t0, value and value["stats"], "the client left; the answer was stopped")
+        return JSONResponse({}, status_code=499)
+    stats = value["stats"]
+    _log(200, request.url.path, t0, stats)
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+                         "finish_reason": value["finish_reason"], "logprobs": None}],
+            "usage": usage(stats), "timings": timings(stats, profile)}
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+async def _stream(job, first, cid, created, model, profile, request, t0):
+    def chunk(delta: dict, finish=None, **more):
+        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **more})
+    done = False
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            kind, value = first if first is not None else await _next(job, request)
+            first = None
+            if kind == "text":
+                yield chunk({"content": value})
+            elif kind == "error":
+                _log(value.status, request.url.path, t0, note=value.message)
+                yield _sse(value.body())
+                break
+            else:
+                stats = value["stats"] if value else None
+                if value is not None:
+                    yield chunk({}, value["finish_reason"], timings=timings(stats, profile))
+                    if job.request.include_usage:
+                        yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                    "model": model, "choices": [], "usage": usage(stats)})
+                _log(200, request.url.path, t0, stats, "streamed")
+                break
+        yield b"data: [DONE]\n\n"
+        done = True
+    finally:
+        if not done:                         # the client closed the stream: stop the answer
+            job.cancelled.set()
+            _log(499, request.url.path, t0, note="the client left mid-stream; the answer was stopped")

@@ -1,0 +1,150 @@
+"""What a chat completion request asks for, read from its JSON body and checked field by
+field: every mistake is an ApiError naming the field, in OpenAI's error shape, before
+anything runs. Fields this engine does not implement are refused when they would change
+the answer (tools, images, n > 1, penalties) and ignored when they would not (user,
+metadata...): a client written for OpenAI sends those by default."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_STOPS = 4                       # OpenAI's limit
+MAX_STOP_CHARS = 256
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {...}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]             # role + string content, the last one the user's
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise _bad(name, f"must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise _bad(name, f"must be between {lo:g} and {hi:g}, got {v!r}")
+    return v
+
+
+def _content(i: int, m: dict) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if c is None and m.get("role") == "assistant" and m.get("tool_calls"):
+        raise ApiError(400, f"messages[{i}]: tool calls are not supported by this server", param="messages")
+    if isinstance(c, list):
+        parts = []
+        for part in c:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind in ("image_url", "input_image", "image"):
+                raise ApiError(400, f"messages[{i}]: images are not supported: this model reads text only",
+                               param="messages")
+            else:
+                raise ApiError(400, f"messages[{i}]: content part {kind!r} is not supported (text only)",
+                               param="messages")
+        return "".join(parts)
+    raise ApiError(400, f"messages[{i}]: content must be a string or a list of text parts", param="messages")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}]: must be an object with role and content", param="messages")
+        role = m.get("role")
+        if role == "developer":               # OpenAI's newer name for the system role
+            role = "system"
+        if role in ("tool", "function"):
+            raise ApiError(400, f"messages[{i}]: tool results are not supported by this server", param="messages")
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}]: role must be system, user or assistant, got {role!r}",
+                           param="messages")
+        out.append({"role": role, "content": _content(i, m)})
+    if out[-1]["role"] != "user":
+        raise ApiError(400, "messages: the last message must be the user's (the answer to write is the next one)",
+                       param="messages")
+    if not out[-1]["content"].strip():
+        raise ApiError(400, "messages: the last user message is empty", param="messages")
+    return out
+
+
+def _stop(body: dict) -> list[str]:
+    s = body.get("stop")
+    if s is None:
+        return []
+    stops = [s] if isinstance(s, str) else s
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        raise _bad("stop", "must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise _bad("stop", f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
+    return stops
+
+
+def parse_chat(body) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "required: one of GET /v1/models")
+    if body.get("n") not in (None, 1):
+        raise _bad("n", "only 1 answer per request is supported")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise _bad(name, "tool calls are not supported by this server")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise _bad(name, "not supported (only 0): speculative decoding keeps the model's own distribution")
+    if body.get("logprobs"):
+        raise _bad("logprobs", "not supported")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream", "must be true or false")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise _bad("stream_options", "must be an object")
+    max_tokens = _number(body, "max_completion_tokens", None, 1, 1 << 30, integer=True)
+    max_tokens = _number(body, "max_tokens", max_tokens, 1, 1 << 30, integer=True)
+    return ChatRequest(
+        model=model, messages=_messages(body), max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", 0.0, 0, 2)),
+        top_p=float(_number(body, "top_p", 1.0, 0, 1)) or _raise(_bad("top_p", "must be above 0")),
+        top_k=_number(body, "top_k", 0, 0, 1 << 20, integer=True),
+        seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True),
+        stop=_stop(body), stream=stream, include_usage=bool(opts.get("include_usage", False)))
+
+
+def _raise(exc: Exception):
+    raise exc

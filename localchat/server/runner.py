@@ -1,0 +1,150 @@
+"""One engine, one answer at a time, for many HTTP clients.
+
+The engine loads on a thread of its own when the server starts (GET /health says loading,
+then ready). Answers run one after another on a single engine thread: one KV cache, one
+OpenMP team, and the compiled step that builds in the background pauses while an answer
+runs, as in the chat UI. Requests wait in a bounded queue (count and time); one that finds
+it full is refused at once (503 with Retry-After), one that waits too long is refused
+then. A job cancelled by its client (a closed connection) stops at the engine's next step.
+
+Every answer runs on one Chat whose conversation is replaced by the request's
+(Chat.restore): a stateless client resends the whole conversation each turn, and the
+cached prefix of the last request is kept, so turn 5 prefills what turn 1 did, not the
+history."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .requests import ApiError, ChatRequest
+from .stops import StopWatch
+
+
+@dataclass
+class Job:
+    request: ChatRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    queued_at: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    started: bool = False
+
+    def push(self, item) -> None:
+        """From the engine thread to the request's coroutine."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:                 # the loop is gone (the server is stopping)
+            self.cancelled.set()
+
+
+class Runner:
+    def __init__(self, open_engine, max_queue: int = 4, queue_timeout_s: float = 120.0, max_tokens: int = 1024):
+        self._open = open_engine
+        self.max_queue, self.queue_timeout_s, self.default_max_tokens = max_queue, queue_timeout_s, max_tokens
+        self.state, self.error = "loading", ""
+        self.engine = None
+        self._chat = None
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._busy = False
+        self.answer_seconds = 30.0           # a recent answer's length: what Retry-After says
+        self._thread = threading.Thread(target=self._main, name="localchat-serve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    # -- admission (the event loop's thread)
+    def submit(self, job: Job) -> None:
+        if self.state != "ready":
+            raise ApiError(503, f"the model is {self.state}" + (f": {self.error}" if self.error else ""),
+                           kind="server_error", code="model_" + self.state, headers={"Retry-After": "5"})
+        with self._lock:
+            if self._waiting >= self.max_queue:
+                wait = int(self.answer_seconds * (self._waiting + self._busy)) + 1
+                raise ApiError(503, f"the server is busy: {self._waiting} requests are waiting (--max-queue "
+                               f"{self.max_queue}); try again later", kind="server_error", code="queue_full",
+                               headers={"Retry-After": str(wait)})
+            self._waiting += 1
+        self._jobs.put(job)
+
+    def queued(self) -> int:
+        return self._waiting
+
+    # -- the engine thread
+    def _main(self) -> None:
+        try:
+            self.engine = self._open()
+            self._chat = self.engine.chat()
+            self.state = "ready"
+        except Exception as exc:            # told to every request and to /health
+            self.state, self.error = "failed", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                self._waiting -= 1
+                self._busy = True
+            try:
+                self._run(job)
+            finally:
+                with self._lock:
+                    self._busy = False
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.push(("done", None))
+            return
+        if time.monotonic() - job.queued_at > self.queue_timeout_s:
+            job.push(("error", ApiError(503, f"waited {self.queue_timeout_s:.0f} s in the queue; try again later",
+                                        kind="server_error", code="queue_timeout",
+                                        headers={"Retry-After": str(int(self.answer_seconds) + 1)})))
+            return
+        job.started = True
+        import engine
+        r, chat = job.request, self._chat
+        t0 = time.monotonic()
+        try:
+            chat.restore(r.messages[:-1])
+            room = self.engine.target.cache.max_positions
+            events = chat.send(r.messages[-1]["content"], max_new_tokens=r.max_tokens or self.default_max_tokens,
+                               temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                               seed=None if r.seed is None else r.seed % (1 << 63))
+        except engine.BadRequest as exc:
+            code = "context_length_exceeded" if "context" in str(exc) else None
+            job.push(("error", ApiError(400, str(exc), param="messages", code=code)))
+            return
+        watch = StopWatch(r.stop)
+        reason = None
+        try:
+            for ev in events:
+                if job.cancelled.is_set():
+                    chat.cancel()
+                if isinstance(ev, engine.TextDelta):
+                    text = watch.push(ev.text)
+                    if text:
+                        job.push(("text", text))
+                    if watch.hit:
+                        reason = "stop"
+                        chat.cancel()
+                elif isinstance(ev, engine.Done):
+                    tail = watch.flush()
+                    if tail:
+                        job.push(("text", tail))
+                    if ev.reason == "error":
+                        job.push(("error", ApiError(500, f"the answer failed: {ev.error}", kind="server_error")))
+                        return
+                    if reason is None:
+                        reason = {"stop": "stop", "length": "length"}.get(ev.reason, "stop")
+        finally:
+            self.answer_seconds = 0.7 * self.answer_seconds + 0.3 * (time.monotonic() - t0)
+        job.push(("done", {"finish_reason": reason or "stop", "stats": chat.last_stats,
+                           "cancelled": job.cancelled.is_set()}))
