@@ -52,28 +52,14 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return encode(tokenizer, text, special)
 
 
-class Chat:
-    def __init__(self, engine, system: str | None = None):
-        self.engine = engine
+class Messages:
+    """A conversation's messages: what a chat holds, whoever writes its answers (the
+    engine here, a server for localchat's --backend)."""
+
+    def __init__(self, system: str | None = None):
         self.messages: list[dict] = []
         if system:
             self.messages.append({"role": "system", "content": system})
-        self.cached_ids: list[int] = []      # the tokens the target's KV cache holds, in order
-        # The conversation so far as rendered text and as the tokens the model actually
-        # saw and produced: a generated answer need not re-tokenize to the same ids, so
-        # the next turn appends to these ids instead of re-tokenizing the whole text.
-        self._turn_text = ""
-        self._turn_ids: list[int] = []
-        self.last_stats: Stats | None = None
-        self.last_done: Done | None = None
-        self._cancel = threading.Event()
-        # Acceptance and pass costs are measured per chat: they depend on the text.
-        self.controller = engine.new_controller()
-
-    # -- control from other threads
-    def cancel(self) -> None:
-        """Stop the answer in progress between two steps; its text stays in the conversation."""
-        self._cancel.set()
 
     def set_system(self, system: str | None) -> None:
         self.messages = [m for m in self.messages if m["role"] != "system"]
@@ -92,6 +78,28 @@ class Chat:
             if m.get("role") not in roles or not isinstance(m.get("content"), str):
                 raise BadRequest(f"message {i}: needs a role ({', '.join(roles)}) and text content")
         self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class Chat(Messages):
+    def __init__(self, engine, system: str | None = None):
+        super().__init__(system)
+        self.engine = engine
+        self.cached_ids: list[int] = []      # the tokens the target's KV cache holds, in order
+        # The conversation so far as rendered text and as the tokens the model actually
+        # saw and produced: a generated answer need not re-tokenize to the same ids, so
+        # the next turn appends to these ids instead of re-tokenizing the whole text.
+        self._turn_text = ""
+        self._turn_ids: list[int] = []
+        self.last_stats: Stats | None = None
+        self.last_done: Done | None = None
+        self._cancel = threading.Event()
+        # Acceptance and pass costs are measured per chat: they depend on the text.
+        self.controller = engine.new_controller()
+
+    # -- control from other threads
+    def cancel(self) -> None:
+        """Stop the answer in progress between two steps; its text stays in the conversation."""
+        self._cancel.set()
 
     def _prompt(self) -> tuple[list[int], str]:
         """Token ids and text of the conversation up to the answer about to be written."""

@@ -14,13 +14,14 @@ from importlib import resources
 from pathlib import Path
 
 from .argparsing import Parser
-from .common import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, error, load_settings, open_engine,
-                  quiet_libraries)
+from .common import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_backend_flags, add_model_flags, error, load_settings,
+                     open_engine, quiet_libraries)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="localchat bench", description=__doc__)
     add_model_flags(p)
+    add_backend_flags(p)
     p.add_argument("--workloads", metavar="FILE",
                    help="JSONL, one {\"id\", \"kind\", \"prompt\"} per line (default: a built-in set of "
                         "code, prose and copy-heavy tasks)")
@@ -147,38 +148,18 @@ def bench_main(argv: list[str]) -> int:
     quiet_libraries()
     try:
         # A step going live mid-run would mix two speeds in one figure: auto stays eager here.
-        eng = open_engine(settings, compile="off" if settings.compile == "auto" else settings.compile)
+        eng = open_engine(settings, compile="off" if settings.compile == "auto" else settings.compile,
+                          api_key=args.api_key)
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
-    drafters = ["ngram"] + (["model"] if settings.draft_model else [])
-    rows = []
-    print(f"{eng.name} · {eng.describe()['dtype']} · {eng.device} · {args.max_tokens} tokens, greedy, "
-          f"median of {args.runs}", file=sys.stderr)
-    header = f"{'workload':<18} {'kind':<6} {'plain tok/s':>11} {'ceiling':>7}"
-    for d in drafters:
-        header += f" │ {d + ' tok/s':>12} {'speed-up':>8} {'tok/pass':>8} {'accept':>6} {'same':>4}"
-    print(header)
     try:
-        for w in workloads:
-            eng.set_drafter("none")
-            plain = measure(eng, w["prompt"], args.max_tokens, args.runs)
-            rounds = lookup_ceiling(plain["context_ids"], plain["token_ids"])
-            ceiling = ceiling_speedup(rounds, pass_seconds(eng))
-            row = {"id": w["id"], "kind": w["kind"], "plain": _public(plain),
-                   "lookup_ceiling": {"tokens_per_pass": len(plain["token_ids"]) / len(rounds),
-                                      "speedup": ceiling}}
-            line = f"{w['id'][:18]:<18} {w['kind'][:6]:<6} {plain['decode_tps']:>11.1f} {ceiling:>6.2f}×"
-            for d in drafters:
-                eng.set_drafter(d, settings.draft_model, dtype=settings.dtype)
-                r = measure(eng, w["prompt"], args.max_tokens, args.runs)
-                r["speedup"] = r["decode_tps"] / plain["decode_tps"] if plain["decode_tps"] else 0.0
-                r["identical"] = r["token_ids"] == plain["token_ids"]
-                row[d] = _public(r)
-                line += (f" │ {r['decode_tps']:>12.1f} {r['speedup']:>7.2f}× {r['tokens_per_pass']:>8.2f} "
-                         f"{r['acceptance']:>6.0%} {'yes' if r['identical'] else 'NO':>4}")
-            print(line, flush=True)
-            rows.append(row)
+        if settings.backend:
+            from .bench_backend import bench_backend
+            bench_backend(eng, workloads, args.max_tokens, args.runs, args.json)
+            return EXIT_OK
+        drafters = ["ngram"] + (["model"] if settings.draft_model else [])
+        rows = bench_local(eng, settings, workloads, drafters, args)
     except KeyboardInterrupt:
         error("interrupted")
         return 130
@@ -191,6 +172,37 @@ def bench_main(argv: list[str]) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     return EXIT_OK if all(r[d]["identical"] for r in rows for d in drafters) else EXIT_FAIL
+
+
+def bench_local(eng, settings, workloads: list[dict], drafters: list[str], args) -> list[dict]:
+    """Each workload decoded plain and with each drafter, a line each as it is measured."""
+    rows = []
+    print(f"{eng.name} · {eng.describe()['dtype']} · {eng.device} · {args.max_tokens} tokens, greedy, "
+          f"median of {args.runs}", file=sys.stderr)
+    header = f"{'workload':<18} {'kind':<6} {'plain tok/s':>11} {'ceiling':>7}"
+    for d in drafters:
+        header += f" │ {d + ' tok/s':>12} {'speed-up':>8} {'tok/pass':>8} {'accept':>6} {'same':>4}"
+    print(header)
+    for w in workloads:
+        eng.set_drafter("none")
+        plain = measure(eng, w["prompt"], args.max_tokens, args.runs)
+        rounds = lookup_ceiling(plain["context_ids"], plain["token_ids"])
+        ceiling = ceiling_speedup(rounds, pass_seconds(eng))
+        row = {"id": w["id"], "kind": w["kind"], "plain": _public(plain),
+               "lookup_ceiling": {"tokens_per_pass": len(plain["token_ids"]) / len(rounds),
+                                  "speedup": ceiling}}
+        line = f"{w['id'][:18]:<18} {w['kind'][:6]:<6} {plain['decode_tps']:>11.1f} {ceiling:>6.2f}×"
+        for d in drafters:
+            eng.set_drafter(d, settings.draft_model, dtype=settings.dtype)
+            r = measure(eng, w["prompt"], args.max_tokens, args.runs)
+            r["speedup"] = r["decode_tps"] / plain["decode_tps"] if plain["decode_tps"] else 0.0
+            r["identical"] = r["token_ids"] == plain["token_ids"]
+            row[d] = _public(r)
+            line += (f" │ {r['decode_tps']:>12.1f} {r['speedup']:>7.2f}× {r['tokens_per_pass']:>8.2f} "
+                     f"{r['acceptance']:>6.0%} {'yes' if r['identical'] else 'NO':>4}")
+        print(line, flush=True)
+        rows.append(row)
+    return rows
 
 
 def _public(r: dict) -> dict:

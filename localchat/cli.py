@@ -10,7 +10,7 @@ import sys
 
 from .argparsing import Parser
 from . import __version__
-from .common import (EXIT_INTERRUPTED, EXIT_USAGE, add_model_flags, add_sampling_flags,
+from .common import (EXIT_INTERRUPTED, EXIT_USAGE, add_backend_flags, add_model_flags, add_sampling_flags,
                      compile_mode, error, load_settings, open_engine, quiet_libraries)
 
 
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                "echo \"Summarise this\" | localchat --stats")
     p.add_argument("prompt", nargs="*", help="the question (one-shot mode); stdin text comes first")
     add_model_flags(p)
+    add_backend_flags(p)
     add_sampling_flags(p)
     conv = p.add_argument_group("saved conversations")
     conv.add_argument("--continue", "-c", dest="resume_last", action="store_true",
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                 error("--no-log starts an unsaved chat; it cannot resume one (drop --continue/--cid)")
                 return EXIT_USAGE
             mode = compile_mode(settings, interactive=True)
-            return _leave(run_tui(lambda s, progress=None: open_engine(s, progress, compile=mode), settings,
+            return _leave(run_tui(lambda s, progress=None: open_engine(s, progress, compile=mode, api_key=args.api_key),
+                                  settings,
                                   data_dir=args.data_dir, resume="last" if args.resume_last else args.cid,
                                   save=not args.no_log))
         from .oneshot import run_oneshot

@@ -48,6 +48,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                       help="draft exactly K tokens per round (default: adapt K to measured acceptance and costs)")
 
 
+def add_backend_flags(p: argparse.ArgumentParser) -> None:
+    """--backend: answer on an OpenAI-compatible server instead of a local model."""
+    g = p.add_argument_group("a server instead of a local model")
+    g.add_argument("--backend", metavar="URL",
+                   help="an OpenAI-compatible API to answer with (vLLM, SGLang, llama-server, Ollama, localchat "
+                        "serve), e.g. http://127.0.0.1:8000/v1; no model is loaded here")
+    g.add_argument("--backend-model", metavar="NAME", help="which of the backend's models (default: the first listed)")
+    g.add_argument("--api-key", metavar="KEY",
+                   help="the backend's API key (default: $LOCALCHAT_API_KEY, else $OPENAI_API_KEY)")
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", "-s", metavar="TEXT", help="system message")
     p.add_argument("--max-tokens", "-n", type=int, metavar="N", help="most tokens to generate (default 1024)")
@@ -134,10 +145,14 @@ def compile_mode(settings: config_mod.Settings, interactive: bool) -> str:
     return settings.compile
 
 
-def open_engine(settings: config_mod.Settings, progress=None, compile: str = "off"):
+def open_engine(settings: config_mod.Settings, progress=None, compile: str = "off", api_key: str | None = None):
     """The engine for these settings; `progress(what, done, total)` hears about loading
     where the engine reports it (streamed layers). compile: what `--compile` resolves to
-    for this kind of run (the chat UI compiles on auto; a one-shot answer does not wait)."""
+    for this kind of run (the chat UI builds on auto; a one-shot answer loads a built step).
+    With a backend, its model in the engine's place (localchat/remote.py)."""
+    if settings.backend:
+        from . import remote
+        return remote.RemoteEngine(settings.backend, settings.backend_model, remote.api_key(api_key))
     import engine
     return engine.open(settings.model, device=settings.device, dtype=settings.dtype, drafter=settings.drafter,
                        draft_model=settings.draft_model, draft_tokens=settings.draft_tokens,

@@ -34,6 +34,8 @@ class Settings:
     compile: str = "auto"             # auto (chat UI) | on | off: the compiled decode step
     theme: str = "textual-dark"
     usable_tps: float = 10.0          # setup recommends models predicted to decode at least this fast
+    backend: str | None = None        # an OpenAI-compatible server's URL: answer there, load no model
+    backend_model: str | None = None  # which of its models (default: the first it lists)
 
 
 # The environment names each setting takes, e.g. LOCALCHAT_MODEL, LOCALCHAT_MAX_TOKENS.

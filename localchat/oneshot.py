@@ -26,6 +26,8 @@ def read_prompt(args_prompt: list[str], stdin=None) -> tuple[str, bool]:
 
 
 def format_stats(s) -> str:
+    if getattr(s, "backend", ""):
+        return remote_line(s)
     peak = s.peak_host_bytes or s.host_bytes
     line = (f"{s.prompt_tokens} prompt tokens ({s.prefill_tokens} prefilled) · prefill {s.prefill_tps:.1f} tok/s · "
             f"decode {s.decode_tps:.1f} tok/s · {s.generated_tokens} tokens · {s.tokens_per_pass:.2f} tok/pass")
@@ -45,6 +47,17 @@ def format_stats(s) -> str:
     if s.compiled_passes:
         line += f" · compiled verify ({', '.join(map(str, s.compiled_passes))} positions)"
     return line + f" · peak memory {human_bytes(peak)}"
+
+
+def remote_line(s) -> str:
+    """An answer a backend wrote: measured here, and the server's own figures if it sent them."""
+    line = (f"backend {s.backend} · first token {s.ttft_seconds:.2f} s · decode {s.decode_tps:.1f} tok/s "
+            f"(measured here) · {s.prompt_tokens} prompt tokens · {s.generated_tokens} tokens")
+    if s.server_decode_tps or s.server_prefill_tps:
+        line += f" · server: prefill {s.server_prefill_tps:.1f}, decode {s.server_decode_tps:.1f} tok/s"
+    if s.tokens_per_pass:
+        line += f" · {s.tokens_per_pass:.2f} tok/pass"
+    return line
 
 
 def partial_answer(chat) -> str:
@@ -98,7 +111,7 @@ def run_oneshot(args, settings) -> int:
         error("the prompt is empty: pass a question as arguments or on stdin (or run `localchat` in a terminal for the chat UI)")
         return EXIT_USAGE
     try:
-        eng = open_engine(settings, compile=compile_mode(settings, interactive=False))
+        eng = open_engine(settings, compile=compile_mode(settings, interactive=False), api_key=args.api_key)
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE

@@ -141,6 +141,28 @@ def test_the_one_shot_cli_uses_the_built_step_and_builds_none(compiled_engine, t
     assert sorted(p.name for p in compile_cache.rglob("*") if p.is_file()) == before
 
 
+def test_a_late_step_is_checked_before_its_first_step_and_a_stale_one_never_runs(compiled_engine, tokenizer,
+                                                                                 tmp_path):
+    # A late step's package skips the check when it loads (the loading thread would slow the
+    # tokens decoding beside it) and is checked by the first step that would run it: one
+    # made from other weights is deleted there, and that step and the rest run eagerly.
+    import shutil
+    other = build_model(tmp_path / "other", seed=1, tokenizer=tokenizer)
+    want = answer(engine.open(str(other), dtype="float32", drafter="none"))[0]
+    eng = engine.open(str(other), dtype="float32", drafter="none")
+    step = compiled.CompiledStep(eng.target, tmp_path, "stale", build=False, late=True)
+    step.package.parent.mkdir(parents=True)
+    shutil.copy(compiled_engine.target.compiled.package, step.package)
+    eng.target.compiled = step
+    step.start()
+    chat = eng.chat()
+    list(chat.send("hello", max_new_tokens=2))          # its first token: the package loads
+    assert step.wait(120) and step._unchecked
+    assert answer(eng)[0] == want
+    assert step.state == "off" and not step.package.exists()
+    assert any("not this model's" in n for n in step.notes), step.notes
+
+
 def test_a_package_an_earlier_version_kept_as_an_archive_is_migrated(compiled_engine, tiny_llama, tmp_path):
     # Earlier versions kept a CPU step as the whole AOTInductor archive, unpacked at every
     # load; its library is taken out once (the build's choices kept) and loads from then on.

@@ -154,8 +154,9 @@ def test_compiled_step_equals_generate(reference):
     step = eng.target.compiled
     assert step.wait(1800), step.error
     # The package's library carried a copy of the weights (621 MB); it was copied out at
-    # load, and its pages were given back (engine/compile/pages.py).
-    library = [m for m in pages.mappings() if "localchat-step-" in m.path and m.perms.startswith("r--")]
+    # load, and its pages were given back (engine/compile/pages.py). It is mapped from the
+    # cache dir, under the name it was loaded by (engine/compile/exported.py).
+    library = [m for m in pages.mappings() if m.path.startswith(str(step.cache_dir)) and m.perms.startswith("r--")]
     assert library and sum(m.fields.get("Rss", 0) for m in library) < 32 << 20
     for prompt in PROMPTS:
         chat = eng.chat()

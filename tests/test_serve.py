@@ -1,12 +1,7 @@
 """`localchat serve` as a user runs it: a subprocess on 127.0.0.1 (a free port), a tiny
 model built in the test, driven by the real `openai` client and by raw HTTP where the
 client hides what is tested (status codes, headers, a connection closed mid-stream)."""
-import http.client
-import json
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,51 +9,9 @@ import openai
 import pytest
 
 import engine
+from serving import Server
 from tiny import build_model
 from waiting import wait_until
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class Server:
-    def __init__(self, model, *flags):
-        env = dict(os.environ, PYTHONPATH=ROOT, LOCALCHAT_API_KEY="")
-        env.pop("LOCALCHAT_API_KEY")
-        self.proc = subprocess.Popen([sys.executable, "-m", "localchat", "serve", "--model", str(model), "--port", "0",
-                                      "--compile", "off", "--drafter", "none", *flags],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        first = self.proc.stderr.readline()
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", first)
-        assert m, first + self.proc.stderr.read()
-        self.port = int(m.group(1))
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        threading.Thread(target=self._read, daemon=True).start()
-        wait_until(lambda: self.get("/health")[0] == 200, 120)
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def request(self, method, path, body=None, headers=None):
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        c.request(method, path, body=json.dumps(body) if body is not None else None,
-                  headers={"Content-Type": "application/json", **(headers or {})})
-        r = c.getresponse()
-        data = r.read()
-        c.close()
-        return r.status, json.loads(data) if data else None, {k.lower(): v for k, v in r.getheaders()}
-
-    def get(self, path):
-        try:
-            return self.request("GET", path)[:2]
-        except OSError:
-            return 0, None
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(30)
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, tokenizer):
@@ -194,3 +147,17 @@ def test_an_api_key_is_required_when_set(model):
 def test_one_line_per_request_on_stderr(server):
     assert any(re.search(r"200 /v1/chat/completions .* tokens .* decode [\d.]+ tok/s", x) for x in server.lines)
     assert any(" 404 " in x for x in server.lines)
+
+
+def test_a_request_that_waits_too_long_is_refused(model):
+    s = Server(model, "--queue-timeout", "0.5", "--served-model-name", "served")
+    try:
+        long = {"model": "served", "messages": MSGS, "max_tokens": 900}
+        first = threading.Thread(target=lambda: s.request("POST", "/v1/chat/completions", long))
+        first.start()
+        time.sleep(0.3)                  # it is being answered (a few seconds of tokens)
+        status, body, headers = s.request("POST", "/v1/chat/completions", dict(long, max_tokens=2))
+        first.join(300)
+        assert status == 503 and body["error"]["code"] == "queue_timeout" and int(headers["retry-after"]) >= 1
+    finally:
+        s.stop()

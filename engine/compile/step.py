@@ -82,6 +82,7 @@ class CompiledStep:
         self.build = build               # False: only load a package an earlier start built
         self.late = late                 # load once an answer's first token is out (worker.first_token)
         self._tokens_at_start = 0
+        self._unchecked = False          # a late step's package, loaded; checked by the first step that runs it
         self.mode = mode
         self.state = "compiling"
         self.error = ""
@@ -458,7 +459,13 @@ class CompiledStep:
     def _open_here(self, path: Path, rows: int):
         package = exported.Package(path, rows, weights_of=self.target.impl if rows > 1 else None)
         try:
-            self._check(package, rows)
+            if self.late and rows == 1:
+                # Checked by the answer's own thread, between two tokens (__call__): run here,
+                # its Python work would take the interpreter from the eager tokens decoding
+                # meanwhile, each of their ~450 operator calls waiting for it.
+                self._unchecked = True
+            else:
+                self._check(package, rows)
         except BaseException:
             package.release_files()
             raise
@@ -548,12 +555,27 @@ class CompiledStep:
         """The compiled step's logits, or None when the caller must run the eager step."""
         if self.state != "ready" or pos < exported.MIN_POS:
             return None
+        if self._unchecked and not self._check_late():
+            return None
         try:
             return self._fn(self.target.impl, ids, pos)
         except Exception as exc:
             self.error = f"the compiled step stopped ({type(exc).__name__}: {exc}); decoding eagerly"
             self.state = "failed"
             return None
+
+    def _check_late(self) -> bool:
+        """The check a late step's package skipped when it loaded (_open_here), run now,
+        before its first step; one that fails is deleted, as at any load."""
+        self._unchecked = False
+        try:
+            self._check(self._fn)
+            return True
+        except Exception as exc:
+            self.notes.append(f"cached package unusable, deleted ({_why(exc)})")
+            self.package.unlink(missing_ok=True)
+            self._fn, self.source, self.state = None, "", "off"
+            return False
 
     @property
     def passes_state(self) -> str:

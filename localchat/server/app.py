@@ -77,6 +77,8 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
     @app.get("/health")
     async def health():
         body = {"status": runner.state, "model": model_id, "queued": runner.queued()}
+        step = getattr(getattr(runner.engine, "target", None), "compiled", None)
+        body["compiled_step"] = step.state if step is not None else "off"     # off | compiling | ready | failed
         if runner.error:
             body["error"] = runner.error
         return JSONResponse(body, status_code=200 if runner.state == "ready" else 503)

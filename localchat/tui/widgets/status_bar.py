@@ -47,6 +47,8 @@ class StatusBar(Widget):
         if not self.model:
             return line
         s = self.stats or Stats(context_max=self.context_max)
+        if getattr(s, "backend", ""):
+            return self._backend(line, s)
         fields = [f"prefill {rate(s.prefill_tps)} · decode {rate(s.decode_tps)} tok/s"]
         if self.compile == "compiling":
             fields.append("compiling…")          # decoding eagerly meanwhile; the speed changes when it lands
@@ -66,6 +68,20 @@ class StatusBar(Widget):
         ]
         if self.stats is not None:
             fields.append(f"mem {human_bytes(s.device_bytes)} dev · {human_bytes(s.host_bytes)} host")
+        for field in fields:
+            line.append(_SEP, style="dim")
+            line.append(field)
+        return line
+
+    def _backend(self, line: Text, s) -> Text:
+        """An answer from --backend: time to first token and decode tok/s measured here from
+        chunk arrival, and the server's own figures when it sends them."""
+        fields = [f"first token {s.ttft_seconds:.2f} s · decode {rate(s.decode_tps)} tok/s"]
+        if s.server_decode_tps:
+            fields.append(f"server {rate(s.server_prefill_tps)} · {rate(s.server_decode_tps)} tok/s")
+        if s.tokens_per_pass:
+            fields.append(f"{s.tokens_per_pass:.2f} tok/pass · accept {s.acceptance:.0%} · k {s.draft_k}")
+        fields.append(f"{s.prompt_tokens} prompt · {s.generated_tokens} tokens")
         for field in fields:
             line.append(_SEP, style="dim")
             line.append(field)
