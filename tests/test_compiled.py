@@ -113,11 +113,15 @@ def test_a_one_shot_step_loads_once_the_first_token_is_out(compiled_engine, tiny
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", compile="oneshot", cache_dir=compile_cache)
     step = eng.target.compiled
     assert step.late and not step.build
-    assert not step.wait(1.5) and step.state == "compiling"      # no answer yet: nothing loaded
+    # Its package started loading beside the model's weights; it goes live only after the
+    # first token of an answer.
+    assert step.package in exported._preloads
+    assert not step.wait(1.5) and step.state == "compiling"
     chat = eng.chat()
     events = chat.send(PROMPT, max_new_tokens=40)
     next(events)
     assert step.wait(120) and step.source == "cache", step.notes
+    assert step.package not in exported._preloads                # taken, not loaded twice
     list(events)
     assert chat.last_done.token_ids == eager_ids
     assert chat.last_stats.compile_state == "ready"

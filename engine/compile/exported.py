@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -295,6 +296,43 @@ def migrate(path: Path) -> None:
 
 
 _loads = itertools.count()
+_preloads: dict[Path, tuple[threading.Thread, dict]] = {}
+
+
+def preload(path: Path) -> None:
+    """Start loading the step package at `path` (if there is one) on a thread of its own,
+    for a step that will want it later (take_preloaded): a one-shot answer's, loaded while
+    the model's weights load, so that its load costs the answer nothing. The library's
+    loader copies the weights out off the interpreter lock (engine/compile/library.py)
+    and runs no parallel torch work, so the thread holds no OpenMP team."""
+    if path.suffix != ".so" or not path.is_file() or path in _preloads:
+        return
+    out: dict = {}
+
+    def run():
+        try:
+            out["package"] = Package(path, 1)
+        except Exception as exc:             # the late load tries again and says why
+            out["error"] = exc
+    t = threading.Thread(target=run, name="localchat-step-preload", daemon=True)
+    _preloads[path] = (t, out)
+    t.start()
+
+
+def take_preloaded(path: Path) -> "Package | None":
+    """The package preload() loaded from `path`, once it is loaded; None if none was."""
+    got = _preloads.pop(path, None)
+    if got is None:
+        return None
+    got[0].join()
+    return got[1].get("package")
+
+
+def drop_preloaded(path: Path) -> None:
+    """A preload nobody will take (the step is not compiled after all): its memory goes."""
+    package = take_preloaded(path)
+    if package is not None:
+        package.release_files()
 
 
 class Package:

@@ -457,7 +457,8 @@ class CompiledStep:
         return package
 
     def _open_here(self, path: Path, rows: int):
-        package = exported.Package(path, rows, weights_of=self.target.impl if rows > 1 else None)
+        package = (exported.take_preloaded(path) if rows == 1 else None) or \
+            exported.Package(path, rows, weights_of=self.target.impl if rows > 1 else None)
         try:
             if self.late and rows == 1:
                 # Checked by the answer's own thread, between two tokens (__call__): run here,
@@ -545,18 +546,17 @@ class CompiledStep:
             ids = torch.arange(1, rows + 1, dtype=torch.long, device=self.target.device)
             want = a(ids, exported.MIN_POS, rows > 1)
             got = fn(b, ids, exported.MIN_POS)
-        err = float((got - want).norm() / want.norm().clamp_min(1e-12))
+        err = _relative(got, want)
         self.check_error = err
-        bound = 1e-2 if self.target.cache.dtype == torch.float32 else 0.6
-        if not err < bound:
+        if not err < self._bound():
             raise ValueError(f"its logits are not this model's (relative error {err:.2g})")
 
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor | None:
         """The compiled step's logits, or None when the caller must run the eager step."""
         if self.state != "ready" or pos < exported.MIN_POS:
             return None
-        if self._unchecked and not self._check_late():
-            return None
+        if self._unchecked:
+            return self._check_late(ids, pos)
         try:
             return self._fn(self.target.impl, ids, pos)
         except Exception as exc:
@@ -564,18 +564,36 @@ class CompiledStep:
             self.state = "failed"
             return None
 
-    def _check_late(self) -> bool:
-        """The check a late step's package skipped when it loaded (_open_here), run now,
-        before its first step; one that fails is deleted, as at any load."""
+    def _check_late(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
+        """The check a late step's package skipped when it loaded (_open_here), run on its
+        first step: the compiled step, then the eager one over the same cache slot (it
+        writes the slot again), compared; this token is the eager step's. Only a step
+        that parts from eager here takes the full check on a scratch cache (_check, whose
+        bound is calibrated there), and one that fails it is deleted, as at any load.
+        Checking here costs one compiled step; the scratch check two steps and two caches
+        (~60 ms on the demo model), in the middle of an answer."""
         self._unchecked = False
+        impl = self.target.impl
         try:
+            got = self._fn(impl, ids, pos)
+        except Exception as exc:
+            got, why = None, exc
+        want = impl(ids, pos, False)
+        if got is not None and _relative(got, want) < self._bound():
+            self.check_error = _relative(got, want)
+            return want
+        try:
+            if got is None:
+                raise why
             self._check(self._fn)
-            return True
         except Exception as exc:
             self.notes.append(f"cached package unusable, deleted ({_why(exc)})")
             self.package.unlink(missing_ok=True)
             self._fn, self.source, self.state = None, "", "off"
-            return False
+        return want
+
+    def _bound(self) -> float:
+        return 1e-2 if self.target.cache.dtype == torch.float32 else 0.6
 
     @property
     def passes_state(self) -> str:
@@ -604,6 +622,10 @@ class CompiledStep:
             self.passes_error = f"the compiled verify pass stopped ({type(exc).__name__}: {exc}); verifying eagerly"
             self.passes = {}
             return None
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
 def _sync(device: torch.device) -> None:
