@@ -138,3 +138,11 @@ def test_the_chat_ui_through_a_backend_streams_shows_the_figures_and_stops_on_es
             assert done.reason == "cancelled" and app.chat.messages[-1]["content"] == done.text
     asyncio.run(main())
     assert server.get("/health")[0] == 200
+
+
+def test_the_backend_can_come_from_the_environment_or_the_config(server, tmp_path):
+    proc = cli("-n", "4", "--no-log", PROMPT, env_extra={"LOCALCHAT_BACKEND": server.url})
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+    (tmp_path / "config.toml").write_text(f'backend = "{server.url}"\nbackend_model = "tiny"\n')
+    proc = cli("-n", "4", "--no-log", "--stats", PROMPT, env_extra={"LOCALCHAT_CONFIG_DIR": str(tmp_path)})
+    assert proc.returncode == 0 and f"backend {server.url}" in proc.stderr, proc.stderr
