@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 FORMATS = ("F32", "BF16")
-_FILE_TYPE = {"F32": 0, "BF16": 32}          # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_BF16
+_FILE_TYPE = {"F32": 0, "BF16": 32, "Q4_1": 3}   # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_BF16 / MOSTLY_Q4_1
 
 
 def write(source: Path, out: Path, fmt: str) -> Path:

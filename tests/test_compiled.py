@@ -167,6 +167,28 @@ def test_a_late_step_is_checked_before_its_first_step_and_a_stale_one_never_runs
     assert any("not this model's" in n for n in step.notes), step.notes
 
 
+def test_a_package_slower_than_eager_is_not_used(compiled_engine, tiny_llama, tmp_path):
+    # Its race (recorded beside it) lost to the eager step, at a size where races decide
+    # (proof.BOUND_FROM), and no rebuild is due: the step is not even loaded, and says why.
+    import json
+    import shutil
+    from engine.compile import proof
+    step = _unloaded(tiny_llama, tmp_path, "slow")
+    step.package.parent.mkdir(parents=True)
+    shutil.copy(compiled_engine.target.compiled.package, step.package)
+    record = {"built": {"quiet": True}, "rebuilds": 1,
+              "race": {"eager_ms": 108.0, "step_ms": 134.0, "weight_bytes": 3 << 30, "bound_ms": 64.0,
+                       "bandwidth": 47e9}}
+    proof.path_of(step.package).write_text(json.dumps(record))
+    step.build = False
+    step.start()
+    step.wait(60)
+    assert step.state == "off" and step._fn is None
+    assert any("134.0 ms a token against 108.0 eager: decoding eagerly" in n for n in step.notes), step.notes
+    assert "not used: the eager step is faster" in proof.describe(record)
+    assert proof.eager_wins(dict(record, race=dict(record["race"], weight_bytes=1 << 20))) == ""   # too small to tell
+
+
 def test_a_package_an_earlier_version_kept_as_an_archive_is_migrated(compiled_engine, tiny_llama, tmp_path):
     # Earlier versions kept a CPU step as the whole AOTInductor archive, unpacked at every
     # load; its library is taken out once (the build's choices kept) and loads from then on.

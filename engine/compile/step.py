@@ -172,6 +172,8 @@ class CompiledStep:
         try:
             if not self.step:
                 self.state = "off"
+            elif self._eager_wins_here():
+                self.state = "off"           # its race says so; not even loaded
             elif self._load_package():
                 self.source = "cache"
             elif not self.build:
@@ -318,7 +320,30 @@ class CompiledStep:
         if self.short and self.build:
             self._when_free(self._rebuild)
         else:
+            self._eager_if_slower(self.proof)
             self._proven.set()
+
+    def _eager_wins_here(self) -> bool:
+        """A package whose recorded race lost to the eager step, with no rebuild due."""
+        if self.package is None or not self.package.exists():
+            return False
+        recorded = proof.read(self.package)
+        why = proof.eager_wins(recorded)
+        if why and not (proof.short(recorded) and self.build):
+            self.proof = recorded
+            self.notes.append(f"{why}: decoding eagerly")
+            self._used()                     # still this model's package: kept, not swept as stale
+            return True
+        return False
+
+    def _eager_if_slower(self, record: dict) -> bool:
+        """Stop using a package its race found slower than the eager step (proof.eager_wins):
+        the eager step decodes from the next token, and the package's memory goes."""
+        why = proof.eager_wins(record)
+        if why and self.state == "ready":
+            self.notes.append(f"{why}: decoding eagerly")
+            self.state, self._fn, self.source = "off", None, ""
+        return bool(why)
 
     def _quiet_race(self, fns: list) -> dict:
         """A race in this process (race.quietly's figures) on a quiet machine that nothing
@@ -382,6 +407,8 @@ class CompiledStep:
                                         where=self.built_in or "process")
         proof.write(self.package, self.proof)
         self.short = proof.short(self.proof)
+        if not (self.short and self.build):
+            self._eager_if_slower(self.proof)
         self._proven.set()
 
     def _load_package(self) -> bool:
