@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine  # noqa: E402
 from common import machine, median, write_json  # noqa: E402
 from localchat.config import Settings  # noqa: E402
-from localchat.tui import app as app_module  # noqa: E402
+from localchat.tui import answer_stream as stream_module  # noqa: E402
 from localchat.tui.app import ChatApp  # noqa: E402
 from localchat.tui.widgets import AssistantMessage  # noqa: E402
 
@@ -169,7 +169,7 @@ def main() -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "tui_latency.json"))
     args = p.parse_args()
     if args.flush is not None:
-        app_module.FLUSH_SECONDS = args.flush
+        stream_module.FLUSH_SECONDS = args.flush
     eng = in_thread(lambda: engine.open(args.model, compile=args.compile))
     step = eng.target.compiled
     if step is not None:
@@ -200,7 +200,7 @@ def main() -> int:
                        "ratio": round(median(raw["ui_decode_tps"]) / median(bare), 3),
                        "bare_each": [round(x, 1) for x in bare], "ui_each": [round(x, 1) for x in raw["ui_decode_tps"]]},
         "compiled_step": step.state if step is not None else "off",
-        "flush_seconds": app_module.FLUSH_SECONDS,
+        "flush_seconds": stream_module.FLUSH_SECONDS,
         "target_esc_to_stop_ms": 200,
     }
     path = write_json(args.out, result)
