@@ -160,8 +160,10 @@ def test_a_late_step_is_checked_before_its_first_step_and_a_stale_one_never_runs
     eng.target.compiled = step
     step.start()
     chat = eng.chat()
-    list(chat.send("hello", max_new_tokens=2))          # its first token: the package loads
-    assert step.wait(120) and step._unchecked
+    # A one-token answer: its first token lets the package load, and no step of this answer
+    # is left to run it (the check happens in the next answer, below).
+    list(chat.send("hello", max_new_tokens=1))
+    assert step.wait(120) and step._unchecked, (step.state, step.error, step.notes)
     assert answer(eng)[0] == want
     assert step.state == "off" and not step.package.exists()
     assert any("not this model's" in n for n in step.notes), step.notes
