@@ -17,9 +17,12 @@ writes it.
 
 The step's package holds a copy of the weights (repacked, so they cannot be the
 checkpoint's own): on disk it is about the size of the resident weights. Verify passes are
-built without weights and given the forward's own tensors when loaded (a few MB each). Building and loading leave
-nothing else behind: the build's working files and the unpacked package are removed when
-done, and what a process that left with os._exit could not remove is swept by the next.
+built without weights and given the forward's own tensors when loaded (a few MB each). On a
+CPU a package is kept as its shared library alone (`suffix`): it loads with no unpacking,
+through its C interface (engine/compile/library.py). Building and loading leave nothing
+else behind: the build's working files, a GPU archive's unpacked files and the name a
+library was loaded by are removed when done, and what a process that left with os._exit
+could not remove is swept by the next.
 """
 from __future__ import annotations
 
