@@ -29,7 +29,8 @@ PROMPT = "the cat sat on the mat"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, tokenizer):
-    return build_model(tmp_path_factory.mktemp("backend"), "llama", tokenizer=tokenizer, layers=4, hidden=512)
+    return build_model(tmp_path_factory.mktemp("backend"), "llama", tokenizer=tokenizer, layers=4, hidden=512,
+                       endless=True)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ def model(tmp_path_factory, tokenizer):
     # Wide enough that a long answer lasts a few seconds (the queue test needs one running
     # while another waits), with a context the tests can overflow.
     return build_model(tmp_path_factory.mktemp("served"), "llama", tokenizer=tokenizer, layers=4, hidden=512,
-                       max_positions=1024)
+                       max_positions=1024, endless=True)
 
 
 @pytest.fixture(scope="module")

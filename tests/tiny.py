@@ -38,9 +38,13 @@ def build_tokenizer(vocab_size: int = 400, corpus: list[str] | None = None):
 
 def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64,
                 max_positions: int = 4096, tokenizer=None, tie: bool = False, shard: str | None = None,
-                dtype: torch.dtype = torch.float32) -> Path:
+                dtype: torch.dtype = torch.float32, endless: bool = False) -> Path:
     """Save a random tiny model and tokenizer to `path` with save_pretrained
-    (`shard`: a max shard size such as "100KB" for a multi-file checkpoint)."""
+    (`shard`: a max shard size such as "100KB" for a multi-file checkpoint). `endless`:
+    greedy answers never end on their own, for tests that stop a long answer: the stop
+    tokens' output rows are zero, so their logit is exactly 0, and the largest of the
+    other random logits is positive but with odds of 2^-vocab; without it, where a random
+    model says its end-of-turn token depends on every rounding of its kernels."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = tokenizer or build_tokenizer()
@@ -90,6 +94,11 @@ def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2,
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
+        if endless:
+            assert not tie, "an endless model's output rows are its own"
+            stops = {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])}
+            for t in stops - {None}:
+                model.lm_head.weight[t].zero_()
     model.to(dtype).save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     tokenizer.save_pretrained(path)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,

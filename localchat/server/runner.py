@@ -114,7 +114,6 @@ class Runner:
         t0 = time.monotonic()
         try:
             chat.restore(r.messages[:-1])
-            room = self.engine.target.cache.max_positions
             events = chat.send(r.messages[-1]["content"], max_new_tokens=r.max_tokens or self.default_max_tokens,
                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                seed=None if r.seed is None else r.seed % (1 << 63))
