@@ -43,6 +43,8 @@ ROWS = {
     "q4": ({"profile": "resident-int4"}, "Q4_1"),
 }
 
+EAGER_ROWS = {"f32", "bf16"}     # also timed without the compiled step (the row kernels' rows)
+
 
 def llama_once(llm, ids: list[int], tokens: int, eos: int) -> tuple[float, float, int]:
     """(prefill tok/s, decode tok/s, tokens) of one greedy answer from llama.cpp."""
@@ -130,8 +132,8 @@ def main() -> None:
         llm = Llama(model_path=str(files[fmt]), n_ctx=1024, n_batch=512, n_threads=threads,
                     n_threads_batch=threads, verbose=False)
         contenders[f"llama.cpp {fmt}"] = (llama_once, llm)
-    if "f32" in rows:
-        contenders["ours f32 eager"] = (ours_once, open_ours({"dtype": "float32"}, cache, False))
+    for r in EAGER_ROWS & set(rows):        # what an answer gets with no built step
+        contenders[f"ours {r} eager"] = (ours_once, open_ours(ROWS[r][0], cache, False))
     tok = next(e for f, e in contenders.values() if f is ours_once).tokenizer
     ids = render_prompt(tok, [{"role": "user", "content": PROMPT}])
     eos = tok.eos_token_id
@@ -147,8 +149,8 @@ def main() -> None:
         row = {"row": r, "llama_format": fmt, "ours": ours, "llama_cpp": peer,
                "decode_ratio": round(ours["decode_tps"] / peer["decode_tps"], 3),
                "prefill_ratio": round(ours["prefill_tps"] / peer["prefill_tps"], 3)}
-        if r == "f32":
-            eager = fig("ours f32 eager")
+        if r in EAGER_ROWS:
+            eager = fig(f"ours {r} eager")
             row["ours_eager"] = eager
             row["eager_decode_ratio"] = round(eager["decode_tps"] / peer["decode_tps"], 3)
         out_rows.append(row)

@@ -131,6 +131,8 @@ def doctor_main(argv: list[str]) -> int:
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print(_hw_text(hw))
+    if hw.device == "cpu":
+        print(_kernel_text())
     print(f"\nModel: {shape.name} · {shape.params / 1e6:.1f} M parameters · {shape.layers} layers · "
           f"{shape.kv_bytes_per_token():,} bytes of KV per token · context planned {args.context}")
     if planned_from != "checkpoint":
@@ -254,7 +256,25 @@ def _self_drafter_hint(plan, shape, settings) -> str | None:
 
 def _hw_dict(hw) -> dict:
     from dataclasses import asdict
-    return asdict(hw)
+
+    return {**asdict(hw), "row_kernels": {name: why or "ready" for name, why in _row_kernels().items()}}
+
+
+def _row_kernels() -> dict[str, str]:
+    """dtype name -> why its row kernel does not run here ('' when it does)."""
+    from engine.kernels import row_kernel
+    return {str(d).removeprefix("torch."): row_kernel.why_not(d) for d in row_kernel.KERNELS}
+
+
+def _kernel_text() -> str:
+    kernels = _row_kernels()
+    ready = [d for d, why in kernels.items() if not why]
+    lines = []
+    if ready:
+        lines.append(f"Row kernels ({', '.join(ready)}): one-token steps and verify passes run localchat's own "
+                     "products, built here; prefill runs torch's")
+    lines += [f"Row kernel ({d}): not used, {why}; torch's kernels instead" for d, why in kernels.items() if why]
+    return "\n".join(lines)
 
 
 def _hw_text(hw) -> str:

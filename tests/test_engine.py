@@ -42,7 +42,12 @@ def test_generic_forward_is_the_transformers_forward(tiny_llama):
     with torch.inference_mode():
         want = ref(ids).logits[0]
     got = torch.cat([gen.forward(ids[0, :17], all_logits=True), gen.forward(ids[0, 17:], all_logits=True)])
-    assert torch.equal(got, want)
+    if gen.impl.rows.kernel:
+        # the passes' products ran the row kernel (engine/kernels), the reference torch's:
+        # the same arithmetic, each product's float32 sums rounded in another order
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    else:
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kind", ["tiny_llama", "tiny_qwen3"])

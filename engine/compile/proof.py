@@ -11,6 +11,11 @@ package has a record, `step.proof.json` beside `step.pt2`:
   measured read bandwidth puts on a step that reads every weight once;
 - "rebuilds": how many quiet rebuilds it has had.
 
+A race's verdict holds only against the eager step it was run against: the race records
+that step's kind ("eager": torch's kernels, or the row kernel of a version), and a race
+against another (this version's eager step is faster) is run again before it decides
+anything (`stale`).
+
 `short()` says why a package falls short (and is rebuilt when the machine is quiet), or
 "" when it does not. `localchat doctor` prints `describe()` for every package.
 """
@@ -64,15 +69,23 @@ def built(record: dict, mode: str) -> dict:
     return {**record, "mode": mode, "at": round(time.time())}
 
 
-def race(eager_ms: float, step_ms: float, weight_bytes: int, bandwidth: float | None, where: str = "child") -> dict:
+def race(eager_ms: float, step_ms: float, weight_bytes: int, bandwidth: float | None, where: str = "child",
+         eager: str = "") -> dict:
     """`where` the race ran: "child" (the build's process, the step's thread the only OpenMP
-    team) or "process" (the chat's: on a CPU a second team slows the step more than eager)."""
+    team) or "process" (the chat's: on a CPU a second team slows the step more than eager);
+    `eager`: the kind of eager step it raced (stale())."""
     out = {"at": round(time.time()), "eager_ms": round(eager_ms, 3), "step_ms": round(step_ms, 3),
-           "weight_bytes": int(weight_bytes), "where": where}
+           "weight_bytes": int(weight_bytes), "where": where, "eager": eager}
     if bandwidth:
         out["bandwidth"] = round(bandwidth)
         out["bound_ms"] = round(weight_bytes / bandwidth * 1e3, 3)
     return out
+
+
+def stale(proof: dict, eager: str) -> bool:
+    """Whether the recorded race ran against another eager step than `eager` (or none is
+    recorded): its verdict says nothing about this one."""
+    return (proof.get("race") or {}).get("eager") != eager
 
 
 def of_bound(proof: dict) -> float | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from .. import hardware
+from ..kernels import row_kernel
 from . import proof, quiet, race, worker
 
 # A step is raced, and rebuilt if it falls short (engine/compile/proof.py), once the machine
@@ -36,7 +37,8 @@ class Proving:
                     self.proof = {"built": self._built, "rebuilds": self.proof.get("rebuilds", 0)}
             if self._child_race is not None:
                 got = self._child_race
-            elif self.source == "cache" or self.built_in == "child":
+            elif (self.source == "cache" and not proof.stale(self.proof, self._eager_kind())) \
+                    or self.built_in == "child":
                 got = None                           # (a child whose race never found quiet: none)
             else:
                 got = self._quiet_race([None, self._fn])
@@ -53,7 +55,7 @@ class Proving:
             return
         if got is not None:
             self.proof["race"] = proof.race(got["ms"][0], got["ms"][1], self.target.weight_bytes(), got["bandwidth"],
-                                            where=self.built_in or "process")
+                                            where=self.built_in or "process", eager=self._eager_kind())
         if got is not None or self._built:
             proof.write(self.package, self.proof)
         self.short = proof.short(self.proof)
@@ -68,13 +70,18 @@ class Proving:
         if self.package is None or not self.package.exists():
             return False
         recorded = proof.read(self.package)
-        why = proof.eager_wins(recorded)
+        why = proof.eager_wins(recorded) if not proof.stale(recorded, self._eager_kind()) else ""
         if why and not (proof.short(recorded) and self.build):
             self.proof = recorded
             self.notes.append(f"{why}: decoding eagerly")
             self._used()                     # still this model's package: kept, not swept as stale
             return True
         return False
+
+    def _eager_kind(self) -> str:
+        """What the eager step this package races runs its products on (proof.stale)."""
+        rows = getattr(getattr(self.target, "impl", None), "rows", None)
+        return f"row kernel {row_kernel.VERSION}" if rows is not None and rows.kernel else "torch"
 
     def _eager_if_slower(self, record: dict) -> bool:
         """Stop using a package its race found slower than the eager step (proof.eager_wins):
@@ -144,7 +151,7 @@ class Proving:
         self.notes.append(f"rebuilt quiet ({self.short}): {new_ms:.2f} ms against {old_ms:.2f}, {self.rebuilt}")
         self.proof["rebuilds"] = self.proof.get("rebuilds", 0) + 1
         self.proof["race"] = proof.race(eager, min(new_ms, old_ms), self.target.weight_bytes(), got["bandwidth"],
-                                        where=self.built_in or "process")
+                                        where=self.built_in or "process", eager=self._eager_kind())
         proof.write(self.package, self.proof)
         self.short = proof.short(self.proof)
         if not (self.short and self.build):

@@ -93,6 +93,19 @@ def _padded_linear(m: torch.nn.Linear):
     return forward
 
 
+def _kernel_linear(m: torch.nn.Linear, forward_of, fwd):
+    """m's forward through the row kernel for the passes whose rows must be a one-token
+    step's (fwd._row_kernel), else `forward_of` (torch's, padded where needed)."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        T = x.numel() // x.shape[-1]
+        if fwd._row_kernel(T):
+            x2, w_t = x.reshape(T, x.shape[-1]), m.weight.t()
+            if rows.row_kernel.fits(x2, w_t, m.bias):
+                return rows.row_kernel.linear(x2, w_t, m.bias).view(*x.shape[:-1], -1)
+        return forward_of(x)
+    return forward
+
+
 def layer_kinds(config) -> list[str]:
     """'attention' or 'linear' (a recurrent state) for each decoder layer (config.layer_types
     where it has them)."""
@@ -127,9 +140,10 @@ class HFForward:
         # nn.Linear layers run a single row as two when this machine's kernels need it.
         dense = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.rows = rows.check([(m.in_features, m.out_features) for m in dense], cache.dtype, cache.device)
-        if self.rows.pad:
-            for m in dense:
-                m.forward = _padded_linear(m)
+        self._kernel, self._verify_pass = self.rows.kernel, False
+        for m in dense:
+            plain = _padded_linear(m) if self.rows.pad else m.forward
+            m.forward = _kernel_linear(m, plain, self) if self._kernel else plain
         # Every weight starts on 64 bytes, as a streamed slot's views do (matrix-vector
         # kernels may round by alignment: llama_family.ALIGN_BYTES), so a model streamed
         # through these same modules computes the very bits this one does.
@@ -146,8 +160,14 @@ class HFForward:
                 out.append(t)
         return out
 
+    def _row_kernel(self, T: int) -> bool:
+        """Whether a product over T rows runs the row kernel: one-token steps and verify
+        passes (all logits, few rows); a prefill keeps torch's faster kernels."""
+        return self._kernel and (T == 1 or self._verify_pass)
+
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         T = ids.shape[-1]
+        self._verify_pass = all_logits and T <= rows.row_kernel.MAX_ROWS
         position_ids = torch.arange(pos, pos + T, device=ids.device).unsqueeze(0)
         out = self.model(input_ids=ids.view(1, T), position_ids=position_ids, cache=self.hf_cache,
                          use_cache=True, logits_to_keep=0 if all_logits else 1)

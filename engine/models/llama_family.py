@@ -84,13 +84,15 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.clone()
 
 
-def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None, pad: bool = False) -> torch.Tensor:
-    """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes; a one-row x
-    run as two rows when `pad` (models/rows.py: so a one-token step's products are a verify
-    pass's rows). A weight that is not a plain tensor (a packed int8/int4 one,
-    targets/quantized.py) brings its own kernel, row-invariant already."""
+def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None, pad: bool = False,
+            kernel: bool = False) -> torch.Tensor:
+    """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes; through the
+    row kernel when `kernel`, else a one-row x run as two rows when `pad`
+    (models/rows.py: so a one-token step's products are a verify pass's rows). A weight
+    that is not a plain tensor (a packed int8/int4 one, targets/quantized.py) brings its
+    own kernel, row-invariant already."""
     if isinstance(w_t, torch.Tensor):
-        return rows.mm(x, w_t, pad) if bias is None else rows.addmm(bias, x, w_t, pad)
+        return rows.mm(x, w_t, pad, kernel) if bias is None else rows.addmm(bias, x, w_t, pad, kernel)
     return w_t.mm(x, bias)
 
 
@@ -128,6 +130,10 @@ class LlamaFamilyForward:
         self.rows = rows.check([(h, (H + 2 * KV) * D), (H * D, h), (h, 2 * self.intermediate),
                                 (self.intermediate, h), (h, cfg.vocab_size)], cache.dtype, cache.device)
         self._pad = self.rows.pad
+        self._kernel = self.rows.kernel
+        # Whether the pass under way is a verify pass (all logits, few rows): its products
+        # then run as a one-token step's do. A prefill's keep torch's faster kernels.
+        self._verify_pass = False
 
     @staticmethod
     def _take_layer(layer) -> LayerWeights:
@@ -226,13 +232,18 @@ class LlamaFamilyForward:
         return F.embedding(ids, self.embed)
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.head, pad=self._pad)
+        return _linear(x, self.head, pad=self._pad, kernel=self._row_kernel(x.shape[0]))
+
+    def _row_kernel(self, T: int) -> bool:
+        """Whether a product over T rows runs the row kernel (models/rows.py)."""
+        return self._kernel and (T == 1 or self._verify_pass)
 
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         # Hidden states stay 2-D [T, hidden]: a [1, T, hidden] input makes every linear
         # reshape on the way in and out, which is measurable at batch 1.
         T = ids.shape[-1]
         D = self.head_dim
+        self._verify_pass = all_logits and T <= rows.row_kernel.MAX_ROWS
         h = self._embed(ids.view(T))
         cos, sin = self._rope(pos, T, h)
         cos, sin = cos.view(1, T, D), sin.view(1, T, D)
@@ -258,8 +269,8 @@ class LlamaFamilyForward:
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         half, inter = D // 2, self.intermediate
         x = self._rms(h, w.ln1)
-        pad = self._pad
-        qkv = _linear(x, w.qkv, w.qkv_bias, pad).view(T, H + 2 * KV, D)
+        pad, kernel = self._pad, self._row_kernel(T)
+        qkv = _linear(x, w.qkv, w.qkv_bias, pad, kernel).view(T, H + 2 * KV, D)
         if w.q_norm is not None:
             qk = torch.cat([self._rms(qkv[:, :H], w.q_norm), self._rms(qkv[:, H:H + KV], w.k_norm)], 1)
             qk = qk.transpose(0, 1)
@@ -272,6 +283,6 @@ class LlamaFamilyForward:
             o = self._attend_rowwise(qk[None, :H], keys, values, pos)
         else:
             o = self._attend(qk[None, :H], keys, values, mask, causal)
-        h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias, pad)
-        gu = _linear(self._rms(h, w.ln2), w.gate_up, pad=pad)
-        return h + _linear(F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down, pad=pad)
+        h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias, pad, kernel)
+        gu = _linear(self._rms(h, w.ln2), w.gate_up, pad=pad, kernel=kernel)
+        return h + _linear(F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down, pad=pad, kernel=kernel)

@@ -16,12 +16,20 @@ changes; if running a one-token step's products as two identical rows makes them
 to every row of every pass width up to the widest verify pass, one-token steps do that
 (measured: a 2-row bf16 product costs what a 1-row one does, 0.90-1.03x); otherwise (float32
 MKL here) the rows may differ in their last bits and speculative greedy output rests on
-no near-tie, the known limit `describe()` reports."""
+no near-tie, the known limit `describe()` reports.
+
+On a CPU with AVX-512 (bfloat16: with AVX512-BF16) none of that is needed: one-token
+steps and verify passes run engine/kernels/row_kernel.py's kernel, which computes every
+row as a lone row is computed by construction, and reads the weights faster than torch's
+one-row product. The probe still runs, for what a traced graph and a prefill (torch's
+kernels) do."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from ..kernels import row_kernel
 
 # Pass widths probed: every verify width up to 17 (max_draft 16), then the wider ones a
 # larger --max-draft reaches.
@@ -32,16 +40,21 @@ _cache: dict = {}
 
 @dataclass(frozen=True)
 class RowCheck:
-    pad: bool                # run one-row products as two rows
+    pad: bool                # run one-row products as two rows (with torch's kernels)
     exact: bool              # one-token steps then equal every verify row
     reason: str
+    kernel: bool = False     # one-token steps and verify passes run the row kernel
 
 
 def check(widths_in: list[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> RowCheck:
     """(in, out) shapes of the dense matrices a forward multiplies by, in `dtype`."""
     key = (tuple(sorted(set(widths_in))), dtype, str(device), torch.get_num_threads())
     if key not in _cache:
-        _cache[key] = _probe(key[0], dtype, device)
+        found = _probe(key[0], dtype, device)
+        if device.type == "cpu" and key[0] and row_kernel.available(dtype):
+            found = RowCheck(found.pad, True, "one-token steps and verify passes run localchat's row kernel, "
+                             "which computes every row as a one-token step does", kernel=True)
+        _cache[key] = found
     return _cache[key]
 
 
@@ -79,14 +92,19 @@ def _probe(shapes, dtype, device) -> RowCheck:
                                 "computed on this machine")
 
 
-def mm(x: torch.Tensor, w_t: torch.Tensor, pad: bool) -> torch.Tensor:
-    """x @ w_t, a single row run as two identical rows when `pad` (see the module doc)."""
+def mm(x: torch.Tensor, w_t: torch.Tensor, pad: bool, kernel: bool = False) -> torch.Tensor:
+    """x @ w_t, through the row kernel when `kernel` and it takes these operands, else
+    a single row run as two identical rows when `pad` (see the module doc)."""
+    if kernel and row_kernel.fits(x, w_t, None):
+        return row_kernel.linear(x, w_t)
     if pad and x.shape[0] == 1:
         return torch.mm(torch.cat([x, x]), w_t)[:1]
     return torch.mm(x, w_t)
 
 
-def addmm(bias: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, pad: bool) -> torch.Tensor:
+def addmm(bias: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, pad: bool, kernel: bool = False) -> torch.Tensor:
+    if kernel and row_kernel.fits(x, w_t, bias):
+        return row_kernel.linear(x, w_t, bias)
     if pad and x.shape[0] == 1:
         return torch.addmm(bias, torch.cat([x, x]), w_t)[:1]
     return torch.addmm(bias, x, w_t)

@@ -90,25 +90,26 @@ class StreamedForward(llama_family.LlamaFamilyForward):
         return self.t.embed_rows(ids)
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:
-        return self.t.head(x)
+        return self.t.head(x, self._row_kernel(x.shape[0]))
 
 
 class StreamedTarget:
     """Same interface as ResidentTarget: forward(ids, all_logits), cache, weight_bytes()."""
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """The output head over normed hidden rows, chunk by chunk (resident or streamed)."""
+    def head(self, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+        """The output head over normed hidden rows, chunk by chunk (resident or streamed);
+        through the row kernel when `kernel` (the forward's _row_kernel)."""
         t = self
         parts = []
         for unit in t.index.head_units:
             flat = t.resident.get(unit.name)
             pad = t.pad_rows             # as the resident head's product (models/rows.py)
             if flat is not None:
-                parts.append(rows.mm(x, flat[:unit.numel].view(unit.rows, -1).t(), pad))
+                parts.append(rows.mm(x, flat[:unit.numel].view(unit.rows, -1).t(), pad, kernel))
                 continue
             slot = t.prefetcher.take(unit)
             try:
-                parts.append(rows.mm(x, slot.flat[:unit.numel].view(unit.rows, -1).t(), pad))
+                parts.append(rows.mm(x, slot.flat[:unit.numel].view(unit.rows, -1).t(), pad, kernel))
             finally:
                 t.prefetcher.give(slot)
         return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
@@ -281,7 +282,8 @@ class StreamedTarget:
         finally:
             impl.cache = real
         x = impl._rms(out, self.norm)
-        heads = [rows.mm(x, slot.flat[:u.numel].view(u.rows, -1).t(), self.pad_rows) for u in self.index.head_units]
+        heads = [rows.mm(x, slot.flat[:u.numel].view(u.rows, -1).t(), self.pad_rows, impl._row_kernel(1))
+                 for u in self.index.head_units]
         return torch.cat([out.float().view(-1)] + [t.float().view(-1) for t in heads])
 
     def _compute_threads(self, positions: int) -> int | None:

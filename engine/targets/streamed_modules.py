@@ -20,6 +20,7 @@ from torch import nn
 
 from ..checkpoint import stored_name, tensor_index
 from ..errors import UnsupportedModel
+from ..kernels import row_kernel
 from ..models import hf_forward
 from . import layer_index
 from .layer_index import Piece, StreamIndex, Unit, _align, _dtype, _numel
@@ -145,6 +146,7 @@ class StreamedModulesForward(hf_forward.HFForward):
 
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         T = ids.shape[-1]
+        self._verify_pass = all_logits and T <= row_kernel.MAX_ROWS
         position_ids = torch.arange(pos, pos + T, device=ids.device).unsqueeze(0)
         embeds = self.t.embed_rows(ids.view(T)).view(1, T, -1)
         try:
@@ -156,4 +158,4 @@ class StreamedModulesForward(hf_forward.HFForward):
         h = out.last_hidden_state[0]
         if not all_logits:
             h = h[-1:]
-        return self.t.head(h).float()
+        return self.t.head(h, self._row_kernel(h.shape[0])).float()

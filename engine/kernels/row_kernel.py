@@ -1,0 +1,100 @@
+"""Matrix products of a few rows (a decode step, a verify pass) through the C kernels in
+rows.c: bfloat16 on CPUs with AVX512-BF16, float32 on CPUs with AVX-512.
+
+Why kernels of our own: at batch 1 a decode step is matrix-vector products, bound by
+reading the weights. torch's bf16 product (oneDNN) read a Qwen3-1.7B-shaped layer's
+weights at 25.6 GB/s on the development EPYC where a `sum` reads at ~40; this kernel at
+31.6 (1.26x, interleaved in one run). And it computes every row of a pass as it computes
+a single row, whatever the row count or thread count, so a one-token step's products are
+a verify pass's rows by construction: no two-row padding, no probe (models/rows.py), and
+float32 speculation becomes exact where torch's kernels round rows apart.
+
+It is slower than torch's once a pass is compute-bound (bf16: 0.6x at 17 rows, 0.37x at
+65), so a forward uses it only for the passes whose rows must equal a one-token step's:
+one-token steps and verify passes of up to MAX_ROWS rows. Prefill keeps torch's kernels.
+
+`LOCALCHAT_KERNELS=off` turns it off (torch's kernels everywhere), for comparisons."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from .. import hardware
+from . import build
+
+SOURCE = "rows"
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+_CPU = ("avx512f", "avx512bw", "avx512vl", "fma")
+# dtype: (function, compiler flags, CPU flags it needs)
+KERNELS = {
+    torch.bfloat16: ("linear_bf16", _AVX512 + ["-mavx512bf16"], _CPU + ("avx512_bf16",)),
+    torch.float32: ("linear_f32", _AVX512, _CPU),
+}
+MAX_ROWS = 65        # the widest verify pass models/rows.py probes (max_draft 64)
+VERSION = 2          # rows.c's kernel_version(): a compiled step's race records it (compile/proof.py)
+
+_fns: dict[torch.dtype, object] = {}
+_state: dict[torch.dtype, str] = {}    # dtype -> "" ready, else why not (absent: not tried yet)
+
+
+def _load(dtype: torch.dtype) -> str:
+    if os.environ.get("LOCALCHAT_KERNELS", "").lower() in ("off", "0", "no", "false"):
+        return "turned off (LOCALCHAT_KERNELS=off)"
+    if dtype not in KERNELS:
+        return f"no row kernel for {dtype}"
+    name, flags, cpu = KERNELS[dtype]
+    missing = [f for f in cpu if f not in hardware.cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    lib = build.library(SOURCE, flags)
+    if lib is None:
+        return build.why(SOURCE, flags)
+    fn = getattr(lib, name)
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    _fns[dtype] = fn
+    # A miscompiled or misbehaving library must not decide anyone's tokens: its products
+    # against float64's on random matrices (tails in both dimensions) before first use.
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 100), (7, 100), (7,)))
+    want = x.double() @ w.double().t() + b.double()
+    got = linear(x, w.t(), b).double()
+    if not (got - want).abs().max() <= 1e-2 * want.abs().max():
+        del _fns[dtype]
+        return "its self-test products were wrong"
+    return ""
+
+
+def why_not(dtype: torch.dtype) -> str:
+    """'' when the row kernel for `dtype` runs here, else why it does not."""
+    if dtype not in _state:
+        _state[dtype] = _load(dtype)
+    return _state[dtype]
+
+
+def available(dtype: torch.dtype) -> bool:
+    return why_not(dtype) == ""
+
+
+def fits(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether linear() takes these: bf16 or float32 on the CPU, x [M <= MAX_ROWS, K] with
+    unit column stride, w_t a transposed view of a contiguous [N, K] weight (as nn.Linear
+    and the Llama-family forward hold theirs), bias contiguous; not while a graph is traced."""
+    return (x.dtype == w_t.dtype and x.device.type == "cpu" and x.dim() == 2
+            and x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and w_t.dim() == 2 and w_t.stride(0) == 1
+            and w_t.stride(1) == w_t.shape[0] and x.shape[1] == w_t.shape[0]
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+            and not torch.compiler.is_compiling() and available(x.dtype))
+
+
+def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w_t (+ bias); the caller checked fits()."""
+    M, K = x.shape
+    N = w_t.shape[1]
+    y = torch.empty(M, N, dtype=x.dtype)
+    _fns[x.dtype](x.data_ptr(), x.stride(0), w_t.data_ptr(), K, bias.data_ptr() if bias is not None else None,
+                  y.data_ptr(), N, M, N, K, torch.get_num_threads())
+    return y

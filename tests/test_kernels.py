@@ -1,0 +1,126 @@
+"""The row kernels (engine/kernels, bf16 and float32): built with the machine's C compiler
+into the cache, right against float64, and every row of a pass computed as a lone row is, whatever the row
+count, the thread count or the input's row stride: properties it has by construction (each
+output is one fixed sequence of instructions, owned by one thread), so they are asserted
+bit for bit. Where the CPU lacks AVX-512 (or AVX512-BF16) a kernel is off and its tests
+skip; the engine then runs torch's kernels (test_verify_rows covers both)."""
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import build, row_kernel
+from engine.models import rows
+
+DTYPES = [torch.bfloat16, torch.float32]
+BF16_FLAGS = row_kernel.KERNELS[torch.bfloat16][1]
+
+
+def needs(dtype):
+    if not row_kernel.available(dtype):
+        pytest.skip(f"{dtype} row kernel: {row_kernel.why_not(dtype)}")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _operands(M, K, N, seed=0, bias=False, dtype=torch.bfloat16):
+    needs(dtype)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (3, 100, 7), (6, 2048, 64), (7, 33, 9), (17, 1536, 257),
+                                   (65, 64, 12)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_match_float64(M, K, N, bias, dtype):
+    x, w, b = _operands(M, K, N, bias=bias, dtype=dtype)
+    assert row_kernel.fits(x, w.t(), b)
+    got = row_kernel.linear(x, w.t(), b)
+    assert got.dtype == dtype
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    # bf16 output keeps 8 bits of mantissa; float32 accumulation adds far less than that
+    rel = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    assert ((got.double() - want).abs() <= rel * want.abs() + 1e-3 * want.abs().max()).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K,N", [(576, 960), (1536, 576), (2048 + 7, 61)])
+def test_every_row_of_a_pass_is_a_lone_row(K, N, dtype):
+    x, w, b = _operands(65, K, N, seed=1, bias=True, dtype=dtype)
+    lone = [row_kernel.linear(x[r:r + 1], w.t(), b)[0] for r in range(65)]
+    for M in rows.WIDTHS:
+        out = row_kernel.linear(x[:M], w.t(), b)
+        assert all(torch.equal(out[r], lone[r]) for r in range(M)), M
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_thread_count_and_row_stride_change_no_bit(dtype):
+    x, w, _ = _operands(9, 1536, 300, seed=2, dtype=dtype)
+    wide = torch.zeros(9, 2000, dtype=dtype)
+    wide[:, :1536] = x
+    strided = wide[:, :1536]                 # rows 2000 apart, as a slice of a wider buffer
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = row_kernel.linear(x, w.t())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(row_kernel.linear(x, w.t()), one)
+    assert torch.equal(row_kernel.linear(strided, w.t()), one)
+
+
+def test_fits_only_what_it_computes():
+    x, w, b = _operands(4, 64, 32, bias=True)
+    assert row_kernel.fits(x, w.t(), b)
+    assert not row_kernel.fits(x.half(), w.half().t(), None)             # float16: torch's
+    assert not row_kernel.fits(x, w.float().t(), None)                   # mixed dtypes
+    assert not row_kernel.fits(x, w, None)                               # not a transposed [N, K] weight
+    assert not row_kernel.fits(x.t().contiguous().t(), w.t(), None)      # columns not contiguous
+    big = torch.zeros(row_kernel.MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+    assert not row_kernel.fits(big, w.t(), None)                         # a prefill: torch's
+    assert not row_kernel.fits(x, w.t(), b.float())
+
+
+def test_built_once_into_the_cache_then_reused(tmp_path, monkeypatch):
+    if build.compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("LOCALCHAT_CACHE_DIR", str(tmp_path))
+    first = build._build(row_kernel.SOURCE, BF16_FLAGS)
+    assert first.parent == tmp_path / "kernels" and first.suffix == ".so"
+    stamp = first.stat().st_mtime_ns
+    assert build._build(row_kernel.SOURCE, BF16_FLAGS) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]     # no half-written leftovers
+    # other flags are another library, never the cached one
+    assert build._build(row_kernel.SOURCE, BF16_FLAGS + ["-DPREFETCH_UNUSED"]) != first
+    assert ctypes.CDLL(str(first)).kernel_version() == 2
+
+
+def test_a_failing_compiler_leaves_torchs_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALCHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "_why", {})
+    assert build.library(row_kernel.SOURCE, BF16_FLAGS) is None
+    assert "could not build rows.c" in build.why(row_kernel.SOURCE, BF16_FLAGS)
+    assert not list((tmp_path / "kernels").iterdir())
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setattr(build, "_loaded", {})
+    assert build.library(row_kernel.SOURCE, BF16_FLAGS) is None
+    assert "no C compiler" in build.why(row_kernel.SOURCE, BF16_FLAGS)
+
+
+def test_turned_off_by_the_environment():
+    code = ("from engine.kernels import row_kernel; import torch; from engine.models import rows;"
+            "c = rows.check([(576, 960)], torch.bfloat16, torch.device('cpu'));"
+            "print(row_kernel.why_not(torch.bfloat16)); print(c.kernel)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "LOCALCHAT_KERNELS": "off"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["turned off (LOCALCHAT_KERNELS=off)", "False"]
