@@ -3,14 +3,14 @@ rows.c: bfloat16 on CPUs with AVX512-BF16, float32 on CPUs with AVX-512.
 
 Why kernels of our own: at batch 1 a decode step is matrix-vector products, bound by
 reading the weights. torch's bf16 product (oneDNN) read a Qwen3-1.7B-shaped layer's
-weights at 25.6 GB/s on the development EPYC where a `sum` reads at ~40; this kernel at
-31.6 (1.26x, interleaved in one run). And it computes every row of a pass as it computes
+weights at 27 GB/s on the development EPYC where a `sum` reads at ~43; this kernel at
+40.5 (1.50x, interleaved in one run: one sequential stream per thread, rows.c). And it computes every row of a pass as it computes
 a single row, whatever the row count or thread count, so a one-token step's products are
 a verify pass's rows by construction: no two-row padding, no probe (models/rows.py), and
 float32 speculation becomes exact where torch's kernels round rows apart.
 
-It is slower than torch's once a pass is compute-bound (bf16: 0.6x at 17 rows, 0.37x at
-65), so a forward uses it only for the passes whose rows must equal a one-token step's:
+It is slower than torch's once a pass is compute-bound (bf16, against torch's product of
+the same rows: 1.38x at 1 row, 1.0x at 4, 0.94x at 8, 0.82x at 17, 0.37x at 65), so a forward uses it only for the passes whose rows must equal a one-token step's:
 one-token steps and verify passes of up to MAX_ROWS rows. Prefill keeps torch's kernels.
 
 `LOCALCHAT_KERNELS=off` turns it off (torch's kernels everywhere), for comparisons."""
@@ -33,7 +33,7 @@ KERNELS = {
     torch.float32: ("linear_f32", _AVX512, _CPU),
 }
 MAX_ROWS = 65        # the widest verify pass models/rows.py probes (max_draft 64)
-VERSION = 2          # rows.c's kernel_version(): a compiled step's race records it (compile/proof.py)
+VERSION = 3          # rows.c's kernel_version(): a compiled step's race records it (compile/proof.py)
 
 _fns: dict[torch.dtype, object] = {}
 _state: dict[torch.dtype, str] = {}    # dtype -> "" ready, else why not (absent: not tried yet)

@@ -11,6 +11,13 @@
  * - Each weight is read once per call: a block of columns is applied to every row of x
  *   while it is in cache, so a pass of 17 rows reads the weights as a step of 1 does.
  *
+ * Two loop orders compute those same elements. Up to STREAM_ROWS rows of x, each weight
+ * row is read once, start to end, and applied to every x row: one sequential stream per
+ * thread, which the hardware prefetcher follows at nearly the memory's read rate (a
+ * Qwen3-1.7B-shaped layer at 40.5 GB/s on the development EPYC, where a `sum` read ~43, and
+ * 1.50x torch's one-row product, interleaved). More rows are compute-bound: blocks of NB weight rows times MB x rows, each x vector loaded
+ * once for NB columns.
+ *
  * bf16 output is rounded to nearest even, as torch rounds. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -23,6 +30,7 @@
  * took a bf16 layer's products from 0.93-1.0x torch's to 1.17-1.26x (development EPYC,
  * interleaved in one run). */
 #define PREFETCH_BYTES 4096
+#define STREAM_ROWS 2     /* more rows in this order were 2x slower than the tiles, measured */
 
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
@@ -95,10 +103,42 @@ static void NAME##_block(const T *x, int64_t ldx, const T *w, int64_t ldw, const
     }                                                                                               \
 }                                                                                                   \
                                                                                                     \
+/* weight row n applied to rows [0, mb) of x, the row read once from start to end; each        \
+ * element's instructions are the tile's (same loads, same order, same reduction) */             \
+static inline __attribute__((always_inline)) void NAME##_stream(                                    \
+        const T *x, int64_t ldx, const T *w, int64_t ldw, const T *bias, T *y, int64_t ldy,         \
+        int mb, int n, int K) {                                                                     \
+    __m512 acc[STREAM_ROWS];                                                                        \
+    for (int m = 0; m < STREAM_ROWS; m++) acc[m] = _mm512_setzero_ps();                             \
+    const T *wr = w + (int64_t)n * ldw;                                                             \
+    for (int k = 0; k < K; k += LANES) {                                                            \
+        MASK_T mask = K - k >= LANES ? FULL : (MASK_T)(FULL >> (LANES - (K - k)));                  \
+        VEC wv = LOAD(mask, wr + k);                                                                \
+        for (int m = 0; m < STREAM_ROWS; m++) {                                                     \
+            if (m >= mb) break;                                                                     \
+            acc[m] = DOT(acc[m], LOAD(mask, x + (int64_t)m * ldx + k), wv);                         \
+        }                                                                                           \
+    }                                                                                               \
+    for (int m = 0; m < mb; m++) {                                                                  \
+        float s = _mm512_reduce_add_ps(acc[m]);                                                     \
+        if (bias) s += BIAS(bias[n]);                                                               \
+        y[(int64_t)m * ldy + n] = STORE(s);                                                         \
+    }                                                                                               \
+}                                                                                                   \
+                                                                                                    \
 /* x: [M, K] (row stride ldx), w: [N, K] (row stride ldw), bias: [N] or NULL, y: [M, N] (row       \
  * stride ldy) */                                                                                   \
 void NAME(const T *x, int64_t ldx, const T *w, int64_t ldw, const T *bias, T *y, int64_t ldy,       \
           int M, int N, int K, int threads) {                                                       \
+    if (M <= STREAM_ROWS) {                                                                         \
+        /* static schedule: each thread one contiguous run of weight rows */                        \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                           \
+        for (int n = 0; n < N; n++) {                                                               \
+            if (M == 1) NAME##_stream(x, ldx, w, ldw, bias, y, ldy, 1, n, K);                       \
+            else NAME##_stream(x, ldx, w, ldw, bias, y, ldy, STREAM_ROWS, n, K);                    \
+        }                                                                                           \
+        return;                                                                                     \
+    }                                                                                               \
     int blocks = (N + NB - 1) / NB;                                                                 \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
     for (int b = 0; b < blocks; b++) {                                                              \
@@ -120,4 +160,4 @@ ROW_KERNEL(linear_bf16, uint16_t, __m512bh, 32, __mmask32, 0xffffffffu, BF16_LOA
 #endif
 ROW_KERNEL(linear_f32, float, __m512, 16, __mmask16, (__mmask16)0xffffu, F32_LOAD, F32_DOT, SAME, SAME)
 
-int kernel_version(void) { return 2; }
+int kernel_version(void) { return 3; }
