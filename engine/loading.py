@@ -117,7 +117,7 @@ def _preload_step(compile: str, ckpt, dev, dt, prof, cache_dir) -> Path | None:
         return None
     root = cache_dir or _checkpoint.default_cache_dir()
     key = package_dirs.cache_key(ckpt.name, dt, "exact", dev, package_dirs.weights_stamp(ckpt.path))
-    path = root / "inductor" / key / f"step{exported.suffix(dev)}"
+    path = package_dirs.folder_of(root, key) / f"step{exported.suffix(dev)}"
     exported.preload(path)
     return path
 

@@ -51,10 +51,15 @@ def weights_stamp(path: Path) -> str:
     return ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
 
 
+def folder_of(root: Path, key: str = "") -> Path:
+    """Where the packages under the cache dir `root` live; with `key`, that key's directory."""
+    return Path(root) / "inductor" / key if key else Path(root) / "inductor"
+
+
 def cached_steps(root: Path) -> list[tuple[Path, int]]:
     """The packages built under the cache dir `root`, with their sizes (each holds a copy
     of its model's weights: `localchat doctor` shows where the disk went)."""
-    folder = Path(root) / "inductor"
+    folder = folder_of(root)
     if not folder.is_dir():
         return []
     return [(p, p.stat().st_size) for p in sorted([*folder.glob("*/*.pt2"), *folder.glob("*/*.so")])

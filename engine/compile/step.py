@@ -85,7 +85,7 @@ class CompiledStep(Proving):
         self.error = ""
         self.source = ""
         self.seconds = 0.0               # how long the compile (or the load) took, pauses included
-        self.cache_dir = Path(cache_dir) / "inductor" / key if cache_dir else None
+        self.cache_dir = package_dirs.folder_of(cache_dir, key) if cache_dir else None
         self._suffix = exported.suffix(getattr(target, "device", "cpu"))
         self.package = self.cache_dir / f"step{self._suffix}" if self.cache_dir else None
         self.notes: list[str] = []       # attempts that failed on the way (why a fallback ran)
@@ -475,8 +475,9 @@ class CompiledStep(Proving):
         except Exception as exc:
             got, why = None, exc
         want = impl(ids, pos, False)
-        if got is not None and _relative(got, want) < self._bound():
-            self.check_error = _relative(got, want)
+        err = _relative(got, want) if got is not None else None
+        if err is not None and err < self._bound():
+            self.check_error = err
             return want
         try:
             if got is None:

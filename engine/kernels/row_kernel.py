@@ -80,14 +80,16 @@ def available(dtype: torch.dtype) -> bool:
 
 
 def fits(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether linear() takes these: bf16 or float32 on the CPU, x [M <= MAX_ROWS, K] with
+    """Whether linear() takes these: a dtype whose kernel is ready here (why_not() was
+    asked; a forward asks at load, models/rows.py), on the CPU, x [M <= MAX_ROWS, K] with
     unit column stride, w_t a transposed view of a contiguous [N, K] weight (as nn.Linear
-    and the Llama-family forward hold theirs), bias contiguous; not while a graph is traced."""
-    return (x.dtype == w_t.dtype and x.device.type == "cpu" and x.dim() == 2
-            and x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and w_t.dim() == 2 and w_t.stride(0) == 1
-            and w_t.stride(1) == w_t.shape[0] and x.shape[1] == w_t.shape[0]
+    and the Llama-family forward hold theirs), bias contiguous; not while a graph is traced.
+    Called for every product of a decode step: the cheap tests first, nothing looked up."""
+    return (x.dtype in _fns and x.dtype == w_t.dtype and x.dim() == 2 and w_t.dim() == 2 and x.is_cpu
+            and x.stride(1) == 1 and w_t.stride(0) == 1 and w_t.stride(1) == x.shape[1] == w_t.shape[0]
+            and x.shape[0] <= MAX_ROWS
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
-            and not torch.compiler.is_compiling() and available(x.dtype))
+            and not torch.compiler.is_compiling())
 
 
 def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

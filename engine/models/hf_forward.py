@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..cache import KVCache
+from ..kernels import row_kernel
 from . import replay, rows
 from .llama_family import ALIGN_BYTES, aligned
 
@@ -100,8 +101,8 @@ def _kernel_linear(m: torch.nn.Linear, forward_of, fwd):
         T = x.numel() // x.shape[-1]
         if fwd._row_kernel(T):
             x2, w_t = x.reshape(T, x.shape[-1]), m.weight.t()
-            if rows.row_kernel.fits(x2, w_t, m.bias):
-                return rows.row_kernel.linear(x2, w_t, m.bias).view(*x.shape[:-1], -1)
+            if row_kernel.fits(x2, w_t, m.bias):
+                return row_kernel.linear(x2, w_t, m.bias).view(*x.shape[:-1], -1)
         return forward_of(x)
     return forward
 
@@ -113,7 +114,7 @@ def layer_kinds(config) -> list[str]:
     return ["linear" if t in RECURRENT_TYPES else "attention" for t in types]
 
 
-class HFForward:
+class HFForward(rows.KernelPasses):
     def __init__(self, model, cache: KVCache):
         self.model = model
         self.cache = cache
@@ -140,7 +141,7 @@ class HFForward:
         # nn.Linear layers run a single row as two when this machine's kernels need it.
         dense = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.rows = rows.check([(m.in_features, m.out_features) for m in dense], cache.dtype, cache.device)
-        self._kernel, self._verify_pass = self.rows.kernel, False
+        self._kernel = self.rows.kernel
         for m in dense:
             plain = _padded_linear(m) if self.rows.pad else m.forward
             m.forward = _kernel_linear(m, plain, self) if self._kernel else plain
@@ -160,14 +161,9 @@ class HFForward:
                 out.append(t)
         return out
 
-    def _row_kernel(self, T: int) -> bool:
-        """Whether a product over T rows runs the row kernel: one-token steps and verify
-        passes (all logits, few rows); a prefill keeps torch's faster kernels."""
-        return self._kernel and (T == 1 or self._verify_pass)
-
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         T = ids.shape[-1]
-        self._verify_pass = all_logits and T <= rows.row_kernel.MAX_ROWS
+        self._begin_pass(T, all_logits)
         position_ids = torch.arange(pos, pos + T, device=ids.device).unsqueeze(0)
         out = self.model(input_ids=ids.view(1, T), position_ids=position_ids, cache=self.hf_cache,
                          use_cache=True, logits_to_keep=0 if all_logits else 1)

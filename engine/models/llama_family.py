@@ -96,7 +96,7 @@ def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None, pad: bool = 
     return w_t.mm(x, bias)
 
 
-class LlamaFamilyForward:
+class LlamaFamilyForward(rows.KernelPasses):
     def __init__(self, model, cache: KVCache):
         inner = model.model
         self._setup(model.config, cache, inner.rotary_emb, inner.layers[0].self_attn.scaling)
@@ -131,9 +131,6 @@ class LlamaFamilyForward:
                                 (self.intermediate, h), (h, cfg.vocab_size)], cache.dtype, cache.device)
         self._pad = self.rows.pad
         self._kernel = self.rows.kernel
-        # Whether the pass under way is a verify pass (all logits, few rows): its products
-        # then run as a one-token step's do. A prefill's keep torch's faster kernels.
-        self._verify_pass = False
 
     @staticmethod
     def _take_layer(layer) -> LayerWeights:
@@ -234,16 +231,12 @@ class LlamaFamilyForward:
     def _output(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.head, pad=self._pad, kernel=self._row_kernel(x.shape[0]))
 
-    def _row_kernel(self, T: int) -> bool:
-        """Whether a product over T rows runs the row kernel (models/rows.py)."""
-        return self._kernel and (T == 1 or self._verify_pass)
-
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         # Hidden states stay 2-D [T, hidden]: a [1, T, hidden] input makes every linear
         # reshape on the way in and out, which is measurable at batch 1.
         T = ids.shape[-1]
         D = self.head_dim
-        self._verify_pass = all_logits and T <= rows.row_kernel.MAX_ROWS
+        self._begin_pass(T, all_logits)
         h = self._embed(ids.view(T))
         cos, sin = self._rope(pos, T, h)
         cos, sin = cos.view(1, T, D), sin.view(1, T, D)

@@ -21,8 +21,8 @@ no near-tie, the known limit `describe()` reports.
 On a CPU with AVX-512 (bfloat16: with AVX512-BF16) none of that is needed: one-token
 steps and verify passes run engine/kernels/row_kernel.py's kernel, which computes every
 row as a lone row is computed by construction, and reads the weights faster than torch's
-one-row product. The probe still runs, for what a traced graph and a prefill (torch's
-kernels) do."""
+one-row product. The probe is then skipped: a prefill's products (torch's kernels) are
+not compared with any other pass's, and a traced graph never pads (compile/exported.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,11 +50,11 @@ def check(widths_in: list[tuple[int, int]], dtype: torch.dtype, device: torch.de
     """(in, out) shapes of the dense matrices a forward multiplies by, in `dtype`."""
     key = (tuple(sorted(set(widths_in))), dtype, str(device), torch.get_num_threads())
     if key not in _cache:
-        found = _probe(key[0], dtype, device)
         if device.type == "cpu" and key[0] and row_kernel.available(dtype):
-            found = RowCheck(found.pad, True, "one-token steps and verify passes run localchat's row kernel, "
-                             "which computes every row as a one-token step does", kernel=True)
-        _cache[key] = found
+            _cache[key] = RowCheck(False, True, "one-token steps and verify passes run localchat's row kernel, "
+                                   "which computes every row as a one-token step does", kernel=True)
+        else:
+            _cache[key] = _probe(key[0], dtype, device)
     return _cache[key]
 
 
@@ -90,6 +90,21 @@ def _probe(shapes, dtype, device) -> RowCheck:
         return RowCheck(False, True, "one-token steps compute each product as a verify pass's rows do")
     return RowCheck(True, True, "one-token steps run their products as two rows, as a verify pass's rows are "
                                 "computed on this machine")
+
+
+class KernelPasses:
+    """Which products of a forward's pass run the row kernel: one-token steps and verify
+    passes (all logits, few rows), whose rows must be a one-token step's; a prefill keeps
+    torch's kernels, faster at many rows. A forward sets `_kernel` from its RowCheck and
+    calls `_begin_pass` at the start of each pass."""
+    _kernel = False
+    _verify_pass = False
+
+    def _begin_pass(self, T: int, all_logits: bool) -> None:
+        self._verify_pass = all_logits and T <= row_kernel.MAX_ROWS
+
+    def _row_kernel(self, T: int) -> bool:
+        return self._kernel and (T == 1 or self._verify_pass)
 
 
 def mm(x: torch.Tensor, w_t: torch.Tensor, pad: bool, kernel: bool = False) -> torch.Tensor:

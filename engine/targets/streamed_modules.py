@@ -20,7 +20,6 @@ from torch import nn
 
 from ..checkpoint import stored_name, tensor_index
 from ..errors import UnsupportedModel
-from ..kernels import row_kernel
 from ..models import hf_forward
 from . import layer_index
 from .layer_index import Piece, StreamIndex, Unit, _align, _dtype, _numel
@@ -146,7 +145,7 @@ class StreamedModulesForward(hf_forward.HFForward):
 
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         T = ids.shape[-1]
-        self._verify_pass = all_logits and T <= row_kernel.MAX_ROWS
+        self._begin_pass(T, all_logits)
         position_ids = torch.arange(pos, pos + T, device=ids.device).unsqueeze(0)
         embeds = self.t.embed_rows(ids.view(T)).view(1, T, -1)
         try:
