@@ -173,6 +173,8 @@ class Engine:
                 "weights": _weights_label(t), "drafter_note": self.drafter_note,
                 # whether a verify pass's rows are, bit for bit, one-token steps (models/rows.py)
                 "verify_rows": getattr(getattr(t, "impl", None), "rows", None) and t.impl.rows.reason,
+                # why one-token steps do not run the layer kernel ("" when they do)
+                "layer_kernel": getattr(getattr(t, "impl", None), "layer_kernel_note", "not this forward"),
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
 
 

@@ -257,13 +257,20 @@ def _self_drafter_hint(plan, shape, settings) -> str | None:
 def _hw_dict(hw) -> dict:
     from dataclasses import asdict
 
-    return {**asdict(hw), "row_kernels": {name: why or "ready" for name, why in _row_kernels().items()}}
+    return {**asdict(hw), "row_kernels": {name: why or "ready" for name, why in _row_kernels().items()},
+            "layer_kernels": {name: why or "ready" for name, why in _layer_kernels().items()}}
 
 
 def _row_kernels() -> dict[str, str]:
     """dtype name -> why its row kernel does not run here ('' when it does)."""
     from engine.kernels import row_kernel
     return {str(d).removeprefix("torch."): row_kernel.why_not(d) for d in row_kernel.KERNELS}
+
+
+def _layer_kernels() -> dict[str, str]:
+    """dtype name -> why its layer kernel does not run here ('' when it does)."""
+    from engine.kernels import layer_kernel
+    return {str(d).removeprefix("torch."): layer_kernel.why_not(d) for d in layer_kernel.SUFFIX}
 
 
 def _kernel_text() -> str:
@@ -274,6 +281,12 @@ def _kernel_text() -> str:
         lines.append(f"Row kernels ({', '.join(ready)}): one-token steps and verify passes run localchat's own "
                      "products, built here; prefill runs torch's")
     lines += [f"Row kernel ({d}): not used, {why}; torch's kernels instead" for d, why in kernels.items() if why]
+    layers = _layer_kernels()
+    ready = [d for d, why in layers.items() if not why]
+    if ready:
+        lines.append(f"Layer kernels ({', '.join(ready)}): a resident Llama-family model's one-token steps and "
+                     "verify passes run all its layers in one call")
+    lines += [f"Layer kernel ({d}): not used, {why}" for d, why in layers.items() if why and not kernels.get(d)]
     return "\n".join(lines)
 
 

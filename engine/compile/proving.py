@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from .. import hardware
-from ..kernels import row_kernel
+from ..kernels import layer_kernel, row_kernel
 from . import proof, quiet, race, worker
 
 # A step is raced, and rebuilt if it falls short (engine/compile/proof.py), once the machine
@@ -80,8 +80,13 @@ class Proving:
 
     def _eager_kind(self) -> str:
         """What the eager step this package races runs its products on (proof.stale)."""
-        rows = getattr(getattr(self.target, "impl", None), "rows", None)
-        return f"row kernel {row_kernel.VERSION}" if rows is not None and rows.kernel else "torch"
+        impl = getattr(self.target, "impl", None)
+        rows = getattr(impl, "rows", None)
+        if rows is None or not rows.kernel:
+            return "torch"
+        if getattr(impl, "_stack", None) is not None:
+            return f"row kernel {row_kernel.VERSION}, layer kernel {layer_kernel.VERSION}"
+        return f"row kernel {row_kernel.VERSION}"
 
     def _eager_if_slower(self, record: dict) -> bool:
         """Stop using a package its race found slower than the eager step (proof.eager_wins):

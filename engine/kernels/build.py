@@ -67,7 +67,9 @@ def _build(name: str, flags: list[str]) -> Path:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     source = HERE / f"{name}.c"
     args = ["-O3", "-fPIC", "-shared", "-fopenmp", *flags]
-    digest = hashlib.sha256(source.read_bytes() + " ".join(args).encode() + _version(cc).encode()).hexdigest()[:16]
+    # Every C source and header here goes into the hash: a kernel may include another's file.
+    sources = b"".join(f.read_bytes() for f in sorted(HERE.glob("*.[ch]")))
+    digest = hashlib.sha256(sources + " ".join(args).encode() + _version(cc).encode()).hexdigest()[:16]
     folder = default_cache_dir() / "kernels"
     out = folder / f"{name}-{digest}.so"
     if out.exists():

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import KVCache
+from ..kernels import layer_kernel
 from . import norms, rows
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
@@ -97,6 +98,8 @@ def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None, pad: bool = 
 
 
 class LlamaFamilyForward(rows.KernelPasses):
+    _stack: layer_kernel.LayerStack | None = None
+    layer_kernel_note = "the weights are not held by this forward"
     def __init__(self, model, cache: KVCache):
         inner = model.model
         self._setup(model.config, cache, inner.rotary_emb, inner.layers[0].self_attn.scaling)
@@ -105,6 +108,14 @@ class LlamaFamilyForward(rows.KernelPasses):
         self.norm = aligned(inner.norm.weight)
         self.head = self.embed.t() if tied else aligned(model.lm_head.weight).t()
         self.layers = [self._take_layer(layer) for layer in inner.layers]
+        # One-token steps and verify passes run all layers in one call of C where it can
+        # (engine/kernels/layer_kernel.py: the operations between the products cost more
+        # than the products on a small model); targets that keep their weights elsewhere
+        # do not call __init__ and keep the operations below.
+        self.layer_kernel_note = (layer_kernel.why_not_for(self, cache.dtype) if self._kernel
+                                  else "the row kernel does not run here")
+        if not self.layer_kernel_note:
+            self._stack = layer_kernel.LayerStack(self, cache.dtype)
 
     def _setup(self, cfg, cache: KVCache, rotary, scaling: float) -> None:
         """The shape constants and tables every variant of this forward needs (targets that
@@ -250,8 +261,11 @@ class LlamaFamilyForward(rows.KernelPasses):
             else:
                 q_pos = torch.arange(pos, pos + T, device=h.device).view(T, 1)
                 mask = torch.arange(pos + T, device=h.device).view(1, pos + T) <= q_pos
-        for i, w in enumerate(self.iter_layers()):
-            h = self._layer(i, w, h, pos, cos, sin, mask, causal, rowwise)
+        if self._stack is not None and self._row_kernel(T) and not torch.compiler.is_compiling():
+            h = self._stack(h, pos, cos[0], sin[0])
+        else:
+            for i, w in enumerate(self.iter_layers()):
+                h = self._layer(i, w, h, pos, cos, sin, mask, causal, rowwise)
         if not all_logits:
             h = h[-1:]
         return self._output(self._rms(h, self.norm)).float()
