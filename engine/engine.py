@@ -112,6 +112,9 @@ class Engine:
             self.compile_note = (f"the {_weights_label(t)} target runs transformers' own layers (a hybrid or another "
                                  "architecture) and decodes eagerly: the compiled step traces the Llama-family forward"
                                  if t.kind == "transformers" else
+                                 f"the {_weights_label(t)} target decodes eagerly: its int4 weights are in the form "
+                                 "localchat's own int4 kernel reads, which a compiled step cannot call"
+                                 if _own_int4(t) else
                                  f"the {_weights_label(t)} {t.kind} target decodes eagerly")
             return False
         root = cache_dir or _checkpoint.default_cache_dir()
@@ -187,8 +190,16 @@ def _can_draft(target) -> bool:
 
 def _compilable(target) -> bool:
     """A resident target (exact or quantized) running the fast forward: its weights are
-    fixed, so inductor can fold them into the graph."""
-    return isinstance(target, ResidentTarget) and target.kind == "fast"
+    fixed, so inductor can fold them into the graph. Not int4 weights in the canonical
+    form engine/kernels/q4.c reads: a traced step would dequantize them (a bf16 step at
+    four times the reads), while the eager step runs whole layers in one call."""
+    return isinstance(target, ResidentTarget) and target.kind == "fast" and not _own_int4(target)
+
+
+def _own_int4(target) -> bool:
+    """Whether the target's int4 weights are in localchat's own kernel's form (qweights.Int4Weight)."""
+    layers = getattr(getattr(target, "impl", None), "layers", None) or []
+    return any(getattr(m, "canonical", False) for w in layers[:1] for m in vars(w).values())
 
 
 def _no_room_to_compile(target) -> str:

@@ -258,7 +258,13 @@ def _hw_dict(hw) -> dict:
     from dataclasses import asdict
 
     return {**asdict(hw), "row_kernels": {name: why or "ready" for name, why in _row_kernels().items()},
-            "layer_kernels": {name: why or "ready" for name, why in _layer_kernels().items()}}
+            "layer_kernels": {name: why or "ready" for name, why in _layer_kernels().items()},
+            "int4_kernel": _int4_kernel() or "ready"}
+
+
+def _int4_kernel() -> str:
+    from engine.kernels import q4_kernel
+    return q4_kernel.why_not()
 
 
 def _row_kernels() -> dict[str, str]:
@@ -287,6 +293,9 @@ def _kernel_text() -> str:
         lines.append(f"Layer kernels ({', '.join(ready)}): a resident Llama-family model's one-token steps and "
                      "verify passes run all its layers in one call")
     lines += [f"Layer kernel ({d}): not used, {why}" for d, why in layers.items() if why and not kernels.get(d)]
+    why = _int4_kernel()
+    lines.append("Int4 kernel: int4 weights are read in their own form, whole layers in one call" if not why
+                 else f"Int4 kernel: not used, {why}; aten's int4 kernel instead")
     return "\n".join(lines)
 
 

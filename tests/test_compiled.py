@@ -503,10 +503,15 @@ def test_bfloat16_builds_autotuned(tiny_llama, compile_cache):
     assert stats.compile_state == "ready" and len(ids) > 0
 
 
-def test_quantized_target_and_its_drafter_compile(tiny_llama, compile_cache):
+def test_quantized_target_and_its_drafter_compile(tiny_llama, compile_cache, monkeypatch):
     # An int8 target drafted for by its own int4 copy: both decode steps compile, one
     # after the other, and the answer is the eager one (float32 activations: the
     # compiled int8 kernel accumulates as the aten one does, to float32 rounding).
+    # The int4 weights in aten's layout: in the form localchat's own int4 kernel reads
+    # they are not compiled (test_layer_kernel.py), and the build's child reads the switch too.
+    from engine.kernels import q4_kernel
+    monkeypatch.setenv("LOCALCHAT_INT4_KERNEL", "off")
+    monkeypatch.setattr(q4_kernel, "_state", ["turned off (LOCALCHAT_INT4_KERNEL=off)"])
     kw = dict(dtype="float32", profile="resident-int8", drafter="model", draft_model="self", max_draft=1,
               cache_dir=compile_cache)
     eager = engine.open(str(tiny_llama), **kw)

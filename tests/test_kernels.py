@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import build, row_kernel
+from engine.kernels import build, q4_kernel, row_kernel
 from engine.models import rows
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -124,3 +124,48 @@ def test_turned_off_by_the_environment():
                          env={**os.environ, "LOCALCHAT_KERNELS": "off"}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["turned off (LOCALCHAT_KERNELS=off)", "False"]
+
+
+# ---------------------------------------------------------------- the int4 kernel (q4.c)
+
+def _int4(N, K, group, M, seed):
+    from engine.targets import qweights
+    if not q4_kernel.available():
+        pytest.skip(f"int4 kernel: {q4_kernel.why_not()}")
+    g = torch.Generator().manual_seed(seed)
+    c = qweights.quantize_int4(torch.randn(N, K, generator=g) * 0.05, group, torch.bfloat16)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    return c, x, qweights.dequantize_int4(c)
+
+
+@pytest.mark.parametrize("N,K,group", [(960, 576, 32), (576, 1536, 64), (40, 256, 128), (48, 512, 256), (16, 64, 32)])
+@pytest.mark.parametrize("M", [1, 3, 17, 65])
+def test_int4_products_match_the_definition(N, K, group, M):
+    c, x, w = _int4(N, K, group, M, seed=N + M)
+    b = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = q4_kernel.linear(x, c["q"], c["scale"], c["zero"], group, b)
+    want = x.double() @ w.double().t() + b.double()
+    # the output keeps 8 bits of mantissa; the float32 sums (around a 128-offset code) far more
+    assert ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-3 * want.abs().max()).all()
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_every_int4_row_is_a_lone_row_at_any_thread_count(group):
+    c, x, _ = _int4(320, 768, group, 65, seed=9)
+    lone = [q4_kernel.linear(x[r:r + 1], c["q"], c["scale"], c["zero"], group)[0] for r in range(65)]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for M in rows.WIDTHS:
+                out = q4_kernel.linear(x[:M], c["q"], c["scale"], c["zero"], group)
+                assert all(torch.equal(out[r], lone[r]) for r in range(M)), (threads, M)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_int4_kernel_takes_only_shapes_it_computes():
+    assert q4_kernel.shape_fits(960, 576, 32) and q4_kernel.shape_fits(64, 512, 256)
+    assert not q4_kernel.shape_fits(64, 96, 32)        # K not a multiple of its 64-code blocks
+    assert not q4_kernel.shape_fits(64, 576, 128)      # a group that does not divide K
+    assert not q4_kernel.shape_fits(64, 512, 16)

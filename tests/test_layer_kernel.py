@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import engine
-from engine.kernels import layer_kernel
+from engine.kernels import layer_kernel, q4_kernel
 from tiny import build_model
 
-DTYPES = ["float32", "bfloat16"]
+DTYPES = ["float32", "bfloat16", "int4"]
 
 
 def needs(dtype: str):
@@ -30,7 +30,7 @@ def _qwen2(path, tokenizer):
     """Qwen2: biases on q/k/v (layer.c's qkv_bias), 4 heads over 2 key/value heads."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(3)
-    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                       eos_token_id=tokenizer.eos_token_id)
     model = Qwen2ForCausalLM(cfg)
@@ -51,9 +51,16 @@ def model_path(request, tmp_path_factory, tokenizer):
     return build_model(path, request.param, layers=3, hidden=128, tokenizer=tokenizer, seed=5)
 
 
-def _open(path, dtype):
-    needs(dtype)
-    eng = engine.open(str(path), dtype=dtype, drafter="none")
+def _open(path, dtype, cache_dir=None):
+    """The model in `dtype` ("float32", "bfloat16"), or "int4": resident int4 in groups of 32
+    with bf16 activations, its products through engine/kernels/q4.c."""
+    needs("bfloat16" if dtype == "int4" else dtype)
+    if dtype == "int4":
+        if not q4_kernel.available():
+            pytest.skip(f"int4 kernel: {q4_kernel.why_not()}")
+        eng = engine.open(str(path), profile="resident-int4", drafter="none", cache_dir=cache_dir)
+    else:
+        eng = engine.open(str(path), dtype=dtype, drafter="none")
     fwd = eng.target.impl
     assert fwd.layer_kernel_note == "" and fwd._stack is not None
     return eng, fwd
@@ -73,8 +80,8 @@ def _torch_ops(fwd):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_pass_computes_what_the_torch_operations_do(model_path, dtype):
-    eng, fwd = _open(model_path, dtype)
+def test_a_pass_computes_what_the_torch_operations_do(model_path, dtype, tmp_path):
+    eng, fwd = _open(model_path, dtype, tmp_path)
     t = eng.target
     ids = torch.arange(5, 45)
     with torch.inference_mode():
@@ -92,8 +99,8 @@ def test_a_pass_computes_what_the_torch_operations_do(model_path, dtype):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_row_of_a_verify_pass_is_a_one_token_step(model_path, dtype, threads):
-    eng, fwd = _open(model_path, dtype)
+def test_every_row_of_a_verify_pass_is_a_one_token_step(model_path, dtype, threads, tmp_path):
+    eng, fwd = _open(model_path, dtype, tmp_path)
     t = eng.target
     ids = torch.arange(7, 60)
     old = torch.get_num_threads()
@@ -113,10 +120,10 @@ def test_every_row_of_a_verify_pass_is_a_one_token_step(model_path, dtype, threa
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_grown_cache_is_followed(tiny_llama, dtype):
+def test_a_grown_cache_is_followed(tiny_llama, dtype, tmp_path):
     """The kernel writes keys and values into the cache's own tensors: after the cache is
     reallocated (a conversation outgrew it) it writes into the new ones."""
-    eng, fwd = _open(tiny_llama, dtype)
+    eng, fwd = _open(tiny_llama, dtype, tmp_path)
     t = eng.target
     ids = torch.arange(3, 3 + 40)
     with torch.inference_mode():
@@ -151,3 +158,13 @@ def test_turned_off_by_the_environment(tiny_llama):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "LOCALCHAT_LAYER_KERNEL=off" in out.stdout
+
+
+def test_an_int4_model_decodes_eagerly_through_the_kernel(tiny_llama, tmp_path):
+    """Its int4 weights stay in the form q4.c reads (no second, repacked copy), so no
+    compiled step is built for it, and the engine says why."""
+    eng, fwd = _open(tiny_llama, "int4", tmp_path)
+    assert all(getattr(w, name).canonical for w in fwd.layers for name in layer_kernel.MATRICES)
+    assert eng.describe()["layer_kernel"] == ""
+    assert not eng.start_compile(tmp_path / "compile")
+    assert "int4 kernel" in eng.compile_note

@@ -12,6 +12,7 @@ import torch
 import engine
 from engine import checkpoint, fidelity
 from engine.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from engine.kernels import q4_kernel
 from engine.targets import qweights
 from engine.targets.quantized import load_quantized
 from engine.targets.resident import load_resident
@@ -57,18 +58,27 @@ def test_int4_round_trip_within_half_a_step_per_group(param_dtype, group):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("kernel", ["own", "aten", "none"])
 def test_kernels_compute_the_definition(fmt, act, kernel, monkeypatch):
-    """x @ dequantize(w).T (+ bias) to the rounding of the output dtype, through the aten
-    kernel and through the fallback a device without one uses."""
-    if not kernel:
+    """x @ dequantize(w).T (+ bias) to the rounding of the output dtype, through localchat's
+    int4 kernel (engine/kernels/q4.c: int4, bf16 activations), through the aten kernel, and
+    through the fallback a device without either uses."""
+    if kernel == "own":
+        if fmt != "int4" or act != torch.bfloat16:
+            pytest.skip("localchat's int4 kernel takes int4 weights with bf16 activations")
+        if not q4_kernel.available():
+            pytest.skip(f"int4 kernel: {q4_kernel.why_not()}")
+    else:
+        monkeypatch.setattr(q4_kernel, "_state", ["turned off (test)"])
+    if kernel == "none":
         monkeypatch.setattr(qweights, "_kernel_runs", lambda *a: False)
     g = torch.Generator().manual_seed(2)
     w = torch.randn(192, 256, generator=g) * 0.05
     bias = torch.randn(192, generator=g).to(act)
     c = qweights.quantize(w, fmt, 32, act)
     packed = (qweights.Int8Weight(c, CPU, act) if fmt == "int8" else qweights.Int4Weight(c, CPU, act, 32))
-    assert packed.kernel == kernel
+    assert packed.kernel == (kernel != "none")
+    assert getattr(packed, "canonical", False) == (kernel == "own")
     want_w = qweights.dequantize(c)
     tol = 2e-2 if act == torch.bfloat16 else 1e-5
     for M in (1, 5, 33):

@@ -5,7 +5,7 @@
  *
  * Why: at the demo model's size a one-token step is some 25 small torch operations a layer,
  * and their dispatch, not the arithmetic, decided its speed (engine/models/llama_family.py
- * says when this runs). The products are rows.c's, included here.
+ * says when this runs). The products are rows.c's and, for int4 weights, q4.c's, included here.
  *
  * The property greedy speculation needs holds by construction here too: every row of a pass
  * is computed as a lone row is. Norms, rotary and the cache writes are per row; attention is
@@ -15,9 +15,20 @@
 #include <omp.h>
 
 #include "rows.c"
+#ifdef __AVX512BF16__
+#include "q4.c"
+#endif
+
+/* A weight matrix [N, K]: dense in the layer's dtype (group 0), or group-wise int4 in its
+ * canonical form (q4.c; bf16 layers only) */
+typedef struct {
+    const void *w, *scale, *zero;
+    int64_t group;
+} Mat;
 
 typedef struct {
-    const void *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *down, *q_norm, *k_norm;
+    const void *ln1, *qkv_bias, *o_bias, *ln2, *q_norm, *k_norm;
+    Mat qkv, o, gate_up, down;
     void *k_cache, *v_cache;          /* [kv_heads, capacity, head_dim] each */
 } LayerWeights;
 
@@ -74,12 +85,14 @@ static inline void silu16(const float *g, float *out) {
 #define LD(v) (v)
 #define ST(f) (f)
 #define LINEAR linear_f32
+#define LINEAR_Q4(...) ((void)0)      /* no int4 weights in a float32 layer (layer_kernel.py) */
 #include "layer_body.h"
 #undef ELEM
 #undef FN
 #undef LD
 #undef ST
 #undef LINEAR
+#undef LINEAR_Q4
 
 #ifdef __AVX512BF16__
 #define ELEM uint16_t
@@ -87,7 +100,8 @@ static inline void silu16(const float *g, float *out) {
 #define LD(v) from_bf16(v)
 #define ST(f) to_bf16(f)
 #define LINEAR linear_bf16
+#define LINEAR_Q4 linear_q4_bf16
 #include "layer_body.h"
 #endif
 
-int layer_version(void) { return 1; }
+int layer_version(void) { return 2; }

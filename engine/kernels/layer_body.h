@@ -59,10 +59,29 @@ static void FN(attend)(const ELEM *q, const ELEM *kc, const ELEM *vc, int n, int
     for (int d = 0; d < D; d++) out[d] = ST(acc[d] * inv);
 }
 
+/* y = x @ m.T (+ bias) for M rows: rows.c's product, or q4.c's for an int4 matrix (its
+ * scratch at q4s) */
+static void FN(product)(const ELEM *x, int64_t ldx, const Mat *m, const ELEM *bias, ELEM *y, int64_t ldy,
+                        int M, int N, int K, void *q4s, int threads) {
+    if (m->group)
+        LINEAR_Q4(x, ldx, (const uint8_t *)m->w, (const uint16_t *)m->scale, (const uint16_t *)m->zero,
+                  (int)m->group, bias, y, ldy, M, N, K, q4s, threads);
+    else
+        LINEAR(x, ldx, (const ELEM *)m->w, K, bias, y, ldy, M, N, K, threads);
+}
+
+/* the widest input of the layer's products (q4.c's scratch holds a copy of x) */
+static int64_t FN(widest)(const LayerShape *s) {
+    int64_t k = s->hidden > s->inter ? s->hidden : s->inter;
+    int64_t hd = (int64_t)s->heads * s->head_dim;
+    return k > hd ? k : hd;
+}
+
 int64_t FN(layer_scratch_bytes)(const LayerShape *s, int T, int context, int threads) {
     int64_t qkv = (int64_t)(s->heads + 2 * s->kv_heads) * s->head_dim;
     int64_t elems = (int64_t)T * (s->hidden + qkv + (int64_t)s->heads * s->head_dim + 3 * (int64_t)s->inter + s->hidden);
-    return elems * (int64_t)sizeof(ELEM) + 64 + (int64_t)threads * (context + 16) * (int64_t)sizeof(float);
+    int64_t q4 = (int64_t)T * FN(widest)(s) * 2 + (int64_t)T * (FN(widest)(s) / 32) * 4 + 128;
+    return elems * (int64_t)sizeof(ELEM) + 64 + q4 + 64 + (int64_t)threads * (context + 16) * (int64_t)sizeof(float);
 }
 
 /* h [T, hidden] (updated in place): rows at positions pos .. pos+T-1, each attending to the
@@ -77,11 +96,13 @@ void FN(layer)(const LayerWeights *w, const LayerShape *s, ELEM *h, int T, int p
     ELEM *gu = att + (int64_t)T * H * D;       /* [T, 2I]  */
     ELEM *act = gu + (int64_t)T * 2 * I;       /* [T, I]   */
     ELEM *y = act + (int64_t)T * I;            /* [T, hid] a product's output */
-    float *scores = (float *)(((uintptr_t)(y + (int64_t)T * hid) + 63) & ~(uintptr_t)63);
+    void *q4s = (void *)(((uintptr_t)(y + (int64_t)T * hid) + 63) & ~(uintptr_t)63);
+    int64_t q4_bytes = (int64_t)T * FN(widest)(s) * 2 + (int64_t)T * (FN(widest)(s) / 32) * 4 + 128;
+    float *scores = (float *)(((uintptr_t)q4s + q4_bytes + 63) & ~(uintptr_t)63);
     const int ctx = pos + T;
 
     for (int r = 0; r < T; r++) FN(rms)(h + (int64_t)r * hid, (const ELEM *)w->ln1, x + (int64_t)r * hid, hid, s->eps);
-    LINEAR(x, hid, (const ELEM *)w->qkv, hid, (const ELEM *)w->qkv_bias, qkv, QKV, T, QKV, hid, threads);
+    FN(product)(x, hid, &w->qkv, (const ELEM *)w->qkv_bias, qkv, QKV, T, QKV, hid, q4s, threads);
 
     ELEM *kc = (ELEM *)w->k_cache, *vc = (ELEM *)w->v_cache;
     for (int r = 0; r < T; r++) {
@@ -106,11 +127,11 @@ void FN(layer)(const LayerWeights *w, const LayerShape *s, ELEM *h, int T, int p
                    scores + (int64_t)omp_get_thread_num() * (ctx + 16), att + (int64_t)r * H * D + hd * D);
     }
 
-    LINEAR(att, H * D, (const ELEM *)w->o, H * D, (const ELEM *)w->o_bias, y, hid, T, hid, H * D, threads);
+    FN(product)(att, H * D, &w->o, (const ELEM *)w->o_bias, y, hid, T, hid, H * D, q4s, threads);
     for (int64_t i = 0; i < (int64_t)T * hid; i++) h[i] = ST(LD(h[i]) + LD(y[i]));
 
     for (int r = 0; r < T; r++) FN(rms)(h + (int64_t)r * hid, (const ELEM *)w->ln2, x + (int64_t)r * hid, hid, s->eps);
-    LINEAR(x, hid, (const ELEM *)w->gate_up, hid, NULL, gu, 2 * I, T, 2 * I, hid, threads);
+    FN(product)(x, hid, &w->gate_up, NULL, gu, 2 * I, T, 2 * I, hid, q4s, threads);
     for (int r = 0; r < T; r++) {
         const ELEM *g = gu + (int64_t)r * 2 * I, *u = g + I;
         ELEM *a = act + (int64_t)r * I;
@@ -122,7 +143,7 @@ void FN(layer)(const LayerWeights *w, const LayerShape *s, ELEM *h, int T, int p
             for (int i = 0; i < n; i++) a[i0 + i] = ST(LD(ST(sv[i])) * LD(u[i0 + i]));
         }
     }
-    LINEAR(act, I, (const ELEM *)w->down, I, NULL, y, hid, T, hid, I, threads);
+    FN(product)(act, I, &w->down, NULL, y, hid, T, hid, I, q4s, threads);
     for (int64_t i = 0; i < (int64_t)T * hid; i++) h[i] = ST(LD(h[i]) + LD(y[i]));
 }
 

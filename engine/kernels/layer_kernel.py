@@ -9,7 +9,8 @@ pass removes it. Every row of a pass is computed as a lone row is (layer.c says 
 verify pass's rows are one-token steps bit for bit, as with the row kernel alone.
 
 It runs where the row kernel for the dtype runs (the same compiler flags and CPU needs) and
-the model is plain: dense weights resident in the dtype, head size at most 512. Elsewhere,
+the model is plain: weights resident, dense in the dtype or (bf16) int4 in the form
+engine/kernels/q4.c reads; head size at most 512. Elsewhere,
 and while a graph is traced (the compiled step), the forward runs its torch operations.
 `LOCALCHAT_KERNELS=off` turns it off with the row kernel; `LOCALCHAT_LAYER_KERNEL=off`
 alone, for comparisons."""
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import torch
 
@@ -25,14 +27,20 @@ from . import build, row_kernel
 SOURCE = "layer"
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 MAX_HEAD_DIM = 512           # layer.c's per-head buffers
-VERSION = 1                  # layer.c's layer_version(): a compiled step's race records it
+VERSION = 2                  # layer.c's layer_version(): a compiled step's race records it
 
-_WEIGHT_FIELDS = ("ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "down", "q_norm", "k_norm",
-                  "k_cache", "v_cache")
+VECTORS = ("ln1", "qkv_bias", "o_bias", "ln2", "q_norm", "k_norm")
+MATRICES = ("qkv", "o", "gate_up", "down")
+
+
+class _Mat(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("group", ctypes.c_int64)]
 
 
 class _Weights(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _WEIGHT_FIELDS]
+    _fields_ = ([(name, ctypes.c_void_p) for name in VECTORS] + [(name, _Mat) for name in MATRICES]
+                + [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)])
 
 
 class _Shape(ctypes.Structure):
@@ -93,6 +101,10 @@ def why_not_for(fwd, dtype: torch.dtype) -> str:
         for name, t in vars(w).items():
             if t is None:
                 continue
+            if name in MATRICES and getattr(t, "canonical", False):
+                if dtype != torch.bfloat16:
+                    return "int4 weights with float32 activations"
+                continue                             # int4 in the form q4.c reads (qweights.Int4Weight)
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or not t.is_cpu:
                 return f"{name} weights are not plain {str(dtype).removeprefix('torch.')} tensors"
             base = t.t() if t.dim() == 2 else t      # matrices are held as transposed views
@@ -101,43 +113,67 @@ def why_not_for(fwd, dtype: torch.dtype) -> str:
     return ""
 
 
+def _mat(t) -> _Mat:
+    if isinstance(t, torch.Tensor):
+        return _Mat(t.data_ptr(), None, None, 0)
+    return _Mat(t.q.data_ptr(), t.scale.data_ptr(), t.zero.data_ptr(), t.group)
+
+
 class LayerStack:
-    """The C descriptions of a forward's layers, rebuilt when the KV cache is reallocated."""
+    """The C descriptions of a forward's layers, over whichever KV cache the forward holds
+    when it is called: a race or a check runs a shallow copy of the forward with a scratch
+    cache of its own (engine/compile/race.py), on another thread than the chat's, so the
+    descriptions and the scratch memory are kept per thread and rebuilt when the cache
+    changes (a reallocation, another cache)."""
 
     def __init__(self, fwd, dtype: torch.dtype):
-        self.fwd, self.dtype = fwd, dtype
+        self.layers, self.dtype = fwd.layers, dtype
         lib = _libs[dtype]
         sfx = SUFFIX[dtype]
         self._run = getattr(lib, f"layers_{sfx}")
         self._size = getattr(lib, f"layer_scratch_bytes_{sfx}")
-        cfg_inter = fwd.intermediate
         hidden = fwd.layers[0].ln1.shape[0]
-        self._shape = _Shape(hidden, fwd.heads, fwd.kv_heads, fwd.head_dim, cfg_inter, 0, fwd.eps, fwd.scaling)
-        self._descs = None
-        self._cache_key = None
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._shape = (hidden, fwd.heads, fwd.kv_heads, fwd.head_dim, fwd.intermediate, fwd.eps, fwd.scaling)
+        self._mine = threading.local()
 
-    def _refresh(self) -> None:
-        cache = self.fwd.cache
-        key = (cache.capacity, cache.k[0].data_ptr())
-        if key == self._cache_key:
-            return
-        descs = (_Weights * len(self.fwd.layers))()
-        for d, w, kc, vc in zip(descs, self.fwd.layers, cache.k, cache.v):
-            for name, t in vars(w).items():
+    def _state(self, cache):
+        """This thread's (descriptions, shape, scratch) for `cache`, None where its tensors
+        are not one contiguous [1, kv_heads, capacity, head_dim] block per layer."""
+        me = self._mine
+        k0 = cache.k[0]
+        key = (id(cache), k0.data_ptr(), k0.shape[2], cache.v[0].data_ptr())
+        if getattr(me, "key", None) == key:
+            return me.descs, me.shape
+        shape = tuple(k0.shape)
+        if len(cache.k) != len(self.layers) or any(t.shape != shape or not t.is_contiguous() or t.dtype != self.dtype
+                                                   for t in cache.k + cache.v):
+            return None
+        descs = (_Weights * len(self.layers))()
+        for d, w, kc, vc in zip(descs, self.layers, cache.k, cache.v):
+            for name in VECTORS:
+                t = getattr(w, name)
                 setattr(d, name, t.data_ptr() if t is not None else None)
+            for name in MATRICES:
+                setattr(d, name, _mat(getattr(w, name)))
             d.k_cache, d.v_cache = kc.data_ptr(), vc.data_ptr()
-        self._shape.capacity = cache.capacity
-        self._descs, self._cache_key = descs, key
+        hidden, heads, kv, hd, inter, eps, scale = self._shape
+        me.descs, me.shape, me.key = descs, _Shape(hidden, heads, kv, hd, inter, shape[2], eps, scale), key
+        return me.descs, me.shape
 
-    def __call__(self, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """All layers over h [T, hidden] (in place) at positions pos..pos+T-1; cos/sin [T, D]."""
-        self._refresh()
+    def __call__(self, cache, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """All layers over h [T, hidden] (in place) at positions pos..pos+T-1 of `cache`;
+        cos/sin [T, D]. None (h untouched) where the cache is not laid out as the kernel reads it."""
+        state = self._state(cache)
+        if state is None:
+            return None
+        descs, shape = state
         T = h.shape[0]
         threads = torch.get_num_threads()
-        need = self._size(ctypes.addressof(self._shape), T, pos + T, threads)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.uint8)
-        self._run(ctypes.addressof(self._descs), len(self._descs), ctypes.addressof(self._shape), h.data_ptr(),
-                  T, pos, cos.data_ptr(), sin.data_ptr(), self._scratch.data_ptr(), threads)
+        need = self._size(ctypes.addressof(shape), T, pos + T, threads)
+        scratch = getattr(self._mine, "scratch", None)
+        if scratch is None or scratch.numel() < need:
+            scratch = self._mine.scratch = torch.empty(max(need, 2 * (0 if scratch is None else scratch.numel())),
+                                                       dtype=torch.uint8)
+        self._run(ctypes.addressof(descs), len(descs), ctypes.addressof(shape), h.data_ptr(),
+                  T, pos, cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(), threads)
         return h

@@ -108,14 +108,17 @@ class LlamaFamilyForward(rows.KernelPasses):
         self.norm = aligned(inner.norm.weight)
         self.head = self.embed.t() if tied else aligned(model.lm_head.weight).t()
         self.layers = [self._take_layer(layer) for layer in inner.layers]
-        # One-token steps and verify passes run all layers in one call of C where it can
-        # (engine/kernels/layer_kernel.py: the operations between the products cost more
-        # than the products on a small model); targets that keep their weights elsewhere
-        # do not call __init__ and keep the operations below.
-        self.layer_kernel_note = (layer_kernel.why_not_for(self, cache.dtype) if self._kernel
+        self._use_layer_kernel()
+
+    def _use_layer_kernel(self) -> None:
+        """One-token steps and verify passes run all layers in one call of C where they can
+        (engine/kernels/layer_kernel.py: the operations between the products cost more than
+        the products on a small model). For forwards whose layers stay resident in
+        `self.layers`; a streamed one, whose weights come and go, keeps the operations below."""
+        self.layer_kernel_note = (layer_kernel.why_not_for(self, self.cache.dtype) if self._kernel
                                   else "the row kernel does not run here")
         if not self.layer_kernel_note:
-            self._stack = layer_kernel.LayerStack(self, cache.dtype)
+            self._stack = layer_kernel.LayerStack(self, self.cache.dtype)
 
     def _setup(self, cfg, cache: KVCache, rotary, scaling: float) -> None:
         """The shape constants and tables every variant of this forward needs (targets that
@@ -261,8 +264,11 @@ class LlamaFamilyForward(rows.KernelPasses):
             else:
                 q_pos = torch.arange(pos, pos + T, device=h.device).view(T, 1)
                 mask = torch.arange(pos + T, device=h.device).view(1, pos + T) <= q_pos
+        out = None
         if self._stack is not None and self._row_kernel(T) and not torch.compiler.is_compiling():
-            h = self._stack(h, pos, cos[0], sin[0])
+            out = self._stack(self.cache, h, pos, cos[0], sin[0])
+        if out is not None:
+            h = out
         else:
             for i, w in enumerate(self.iter_layers()):
                 h = self._layer(i, w, h, pos, cos, sin, mask, causal, rowwise)

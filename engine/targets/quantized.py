@@ -67,6 +67,7 @@ class QuantizedForward(llama_family.LlamaFamilyForward):
         self._setup(cfg, cache, rotary, scaling)
         self.embed, self.norm, self.head = embed, norm, head
         self.layers = layers
+        self._use_layer_kernel()
 
     def weight_tensors(self) -> list[torch.Tensor]:
         seen, out = set(), []

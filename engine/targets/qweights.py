@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from ..kernels import q4_kernel
+
 INT4_GROUPS = (32, 64, 128, 256)   # what the aten int4 kernels accept
 # Passes of more rows than this (a prompt's prefill) dequantize the weight and run the
 # device's dense GEMM: the int8/int4 kernels are matrix-vector kernels, one pass over the
@@ -152,12 +154,24 @@ class Int8Weight:
 
 
 class Int4Weight:
-    """x @ w.T for a group-wise int4 weight in the device kernel's packed layout."""
+    """x @ w.T for a group-wise int4 weight: in its canonical form where localchat's own
+    kernel runs (a CPU with AVX512-BF16, bf16 activations: engine/kernels/q4_kernel.py,
+    which also lets engine/kernels/layer.c run whole int4 layers), else in the device
+    kernel's packed layout (aten's)."""
 
     def __init__(self, c: dict[str, torch.Tensor], device: torch.device, act_dtype: torch.dtype, group: int):
-        codes = int4_codes(c["q"])
-        self.shape = tuple(codes.shape)
+        N, half = c["q"].shape
+        self.shape = (N, 2 * half)
         self.group = group
+        self.canonical = (device.type == "cpu" and act_dtype == torch.bfloat16
+                          and q4_kernel.shape_fits(N, 2 * half, group) and q4_kernel.available())
+        if self.canonical:
+            self.q = c["q"].contiguous()
+            self.scale = c["scale"].to(act_dtype).contiguous()
+            self.zero = c["zero"].to(act_dtype).contiguous()
+            self.kernel = True
+            return
+        codes = int4_codes(c["q"])
         # [K/group, N, 2]: the kernels' scales-and-zeros layout.
         self.sz = torch.stack([c["scale"], c["zero"]], -1).transpose(0, 1).contiguous().to(device, act_dtype)
         self.kernel = _int4_kernel_works(device, act_dtype)
@@ -172,7 +186,11 @@ class Int4Weight:
 
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = x.contiguous()
-        if not self.kernel or x.shape[0] > GEMM_ROWS:
+        if self.canonical:
+            if x.shape[0] <= GEMM_ROWS and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+                return q4_kernel.linear(x, self.q, self.scale, self.zero, self.group, bias)
+            y = torch.mm(x, self.dense(x.dtype).t())
+        elif not self.kernel or x.shape[0] > GEMM_ROWS:
             y = torch.mm(x, self.dense(x.dtype).t())
         elif x.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.sz)
@@ -187,20 +205,25 @@ class Int4Weight:
         return self._dequant_rows(None).to(dtype)
 
     def _dequant_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
-        if self._reader is None:
-            q = int4_codes(self.packed if ids is None else self.packed[ids])
-        elif ids is None:
-            q = self._reader.all_codes(self.packed)
+        if self.canonical:
+            q = int4_codes(self.q if ids is None else self.q[ids])
+            scale, zero = (self.scale, self.zero) if ids is None else (self.scale[ids], self.zero[ids])
         else:
-            q = self._reader.codes(self.packed, ids)
-        sz = self.sz if ids is None else self.sz[:, ids]           # [G, n, 2]
+            if self._reader is None:
+                q = int4_codes(self.packed if ids is None else self.packed[ids])
+            elif ids is None:
+                q = self._reader.all_codes(self.packed)
+            else:
+                q = self._reader.codes(self.packed, ids)
+            sz = self.sz if ids is None else self.sz[:, ids]           # [G, n, 2]
+            scale, zero = sz[..., 0].t(), sz[..., 1].t()
         n, K = q.shape
-        G = sz.shape[0]
-        w = (q.view(n, G, K // G).to(sz.dtype) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+        G = scale.shape[1]
+        w = (q.view(n, G, K // G).to(scale.dtype) - 8) * scale[..., None] + zero[..., None]
         return w.view(n, K)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.packed, self.sz]
+        return [self.q, self.scale, self.zero] if self.canonical else [self.packed, self.sz]
 
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
