@@ -5,10 +5,18 @@
   the demo's own Q4_1 GGUF and on F32/BF16 GGUFs written from it by dequantizing every
   tensor (benchmarks/gguf_formats.py), so every row reads the same weights;
 - ours: the engine API on the same Q4_1 file, float32 / bf16 (the same dequantized
-  weights) and resident-int4 (int4, groups of 32, quantized from them), each with its
-  compiled step (built here if this machine has none yet, on a quiet machine, raced and
-  proven before anything is timed: engine/compile/proof.py), and float32 eager (what a
-  one-shot answer without a built step gets).
+  weights) and resident-int4 (int4, groups of 32, quantized from them), each with compiling
+  on (a compiled step built here if this machine has none yet, on a quiet machine, raced
+  and proven before anything is timed: engine/compile/proof.py; a step that loses its race,
+  and int4 in the form localchat's own kernel reads, decode eagerly); float32 and bf16
+  eager (what a one-shot answer without a built step gets); and each eager step with its
+  layers run as torch operations (the layer kernel's share: engine/kernels/layer.c).
+
+llama.cpp on a CPU with AMX: llama-cpp-python's default (native) build died with SIGILL in
+its AMX int8 path on the Q4_1 model on the 2-core VM. Build it without AMX there:
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+  -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+  -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON" pip install --no-cache-dir llama-cpp-python
 
 The prompt is the fibonacci workload with the chat template, tokenized once and fed to
 both as the same token ids; greedy; up to --tokens new tokens (both stop at EOS). Prefill
@@ -74,13 +82,25 @@ def ours_once(eng, tokens: int) -> tuple[float, float, int]:
 def open_ours(kw: dict, cache_dir: Path, compiled: bool):
     eng = engine.open(drafter="none", compile="on" if compiled else "off", cache_dir=cache_dir, **kw)
     step = eng.target.compiled
-    if compiled:
+    if compiled and step is not None:      # None: no step for this target (eng.compile_note says why)
         if not step.wait(3600) and not any("decoding eagerly" in n for n in step.notes):
             raise SystemExit(f"{kw}: the compiled step is not ready ({step.state}: {step.error})")
         # Its race (and a rebuild, if it fell short) before any timing; a step slower than
         # eager is dropped then (engine/compile/proof.py eager_wins), and eager is what runs.
         step.wait_proven(1800)
     return eng
+
+
+def decoded_by(eng) -> dict:
+    """What ran our decode steps with compiling on: the compiled step, or the eager one
+    (its race lost, or none is built for this target) and which kernels that ran."""
+    step = eng.target.compiled
+    impl = eng.target.impl
+    eager = ("layer kernel" if getattr(impl, "_stack", None) is not None
+             else "row kernel" if getattr(getattr(impl, "rows", None), "kernel", False) else "torch")
+    return {"ours_decodes": "compiled" if step is not None and step.state == "ready" else f"eager ({eager})",
+            "step_proof": step.proof if step is not None else None,
+            "step_notes": step.notes if step is not None else [eng.compile_note or ""]}
 
 
 def interleaved(contenders: dict, ids: list[int], tokens: int, eos: int, rounds: int):
@@ -134,6 +154,13 @@ def main() -> None:
         contenders[f"llama.cpp {fmt}"] = (llama_once, llm)
     for r in EAGER_ROWS & set(rows):        # what an answer gets with no built step
         contenders[f"ours {r} eager"] = (ours_once, open_ours(ROWS[r][0], cache, False))
+    for r in rows:
+        # The layer kernel's share, in the same run: the eager step with every layer run as
+        # torch operations (around the same row and int4 kernels), as before it existed.
+        eng = open_ours(ROWS[r][0], cache, False)
+        if getattr(eng.target.impl, "_stack", None) is not None:
+            eng.target.impl._stack = None
+            contenders[f"ours {r} torch ops"] = (ours_once, eng)
     tok = next(e for f, e in contenders.values() if f is ours_once).tokenizer
     ids = render_prompt(tok, [{"role": "user", "content": PROMPT}])
     eos = tok.eos_token_id
@@ -146,15 +173,21 @@ def main() -> None:
     for r in rows:
         fmt = ROWS[r][1]
         ours, peer = fig(f"ours {r} compiled"), fig(f"llama.cpp {fmt}")
+        eng = contenders[f"ours {r} compiled"][1]
         row = {"row": r, "llama_format": fmt, "ours": ours, "llama_cpp": peer,
                "decode_ratio": round(ours["decode_tps"] / peer["decode_tps"], 3),
-               "prefill_ratio": round(ours["prefill_tps"] / peer["prefill_tps"], 3)}
+               "prefill_ratio": round(ours["prefill_tps"] / peer["prefill_tps"], 3),
+               **decoded_by(eng)}
         if r in EAGER_ROWS:
             eager = fig(f"ours {r} eager")
             row["ours_eager"] = eager
             row["eager_decode_ratio"] = round(eager["decode_tps"] / peer["decode_tps"], 3)
+        if f"ours {r} torch ops" in contenders:
+            ops = fig(f"ours {r} torch ops")
+            row["ours_torch_ops"] = ops
+            row["torch_ops_decode_ratio"] = round(ops["decode_tps"] / peer["decode_tps"], 3)
         out_rows.append(row)
-        print(f"{r:5s} decode ours {ours['decode_tps']:6.1f} llama.cpp {peer['decode_tps']:6.1f} "
+        print(f"{r:5s} ({row['ours_decodes']}) decode ours {ours['decode_tps']:6.1f} llama.cpp {peer['decode_tps']:6.1f} "
               f"({row['decode_ratio']:.2f}x)  prefill ours {ours['prefill_tps']:6.0f} "
               f"llama.cpp {peer['prefill_tps']:6.0f} ({row['prefill_ratio']:.2f}x)")
     write_json(args.out, {

@@ -32,7 +32,7 @@ from common import machine, write_json  # noqa: E402
 from engine import checkpoint  # noqa: E402
 from engine.compile import worker  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
-from peers import PROMPT, interleaved, llama_once, open_ours, ours_once  # noqa: E402
+from peers import PROMPT, decoded_by, interleaved, llama_once, open_ours, ours_once  # noqa: E402
 
 SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, rope_theta=1e6,
@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--only", default=",".join(ROWS))
+    ap.add_argument("--compile", choices=("on", "off"), default="on",
+                    help="off: ours without a compiled step (its 1.5 B build takes many minutes on two cores)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peers_shape.json"))
     args = ap.parse_args()
     from llama_cpp import Llama, __version__ as llama_version
@@ -90,8 +92,9 @@ def main() -> None:
     for r in rows:
         kw, fmt = ROWS[r]
         t0 = time.perf_counter()
-        contenders[f"ours {r} compiled"] = (ours_once, open_ours({"model": str(hf), **kw}, cache, True))
-        print(f"ours {r}: compiled step ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        contenders[f"ours {r} compiled"] = (ours_once, open_ours({"model": str(hf), **kw}, cache,
+                                                                 args.compile == "on"))
+        print(f"ours {r}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
         contenders[f"llama.cpp {fmt}"] = (llama_once, Llama(model_path=str(files[fmt]), n_ctx=1024, n_batch=512,
                                                             n_threads=threads, n_threads_batch=threads,
                                                             verbose=False))
@@ -105,13 +108,10 @@ def main() -> None:
     for r in rows:
         fmt = ROWS[r][1]
         ours, peer = fig(f"ours {r} compiled"), fig(f"llama.cpp {fmt}")
-        step = contenders[f"ours {r} compiled"][1].target.compiled
         row = {"row": r, "llama_format": fmt, "ours": ours, "llama_cpp": peer,
                "decode_ratio": round(ours["decode_tps"] / peer["decode_tps"], 3),
                "prefill_ratio": round(ours["prefill_tps"] / peer["prefill_tps"], 3),
-               "step_proof": step.proof if step is not None else None,
-               "ours_decodes": "compiled" if step is not None and step.state == "ready" else "eager",
-               "step_notes": step.notes if step is not None else []}
+               **decoded_by(contenders[f"ours {r} compiled"][1])}
         out_rows.append(row)
         print(f"{r:5s} ({row['ours_decodes']}) decode ours {ours['decode_tps']:6.2f} llama.cpp {peer['decode_tps']:6.2f} "
               f"({row['decode_ratio']:.2f}x)  prefill ours {ours['prefill_tps']:6.0f} "
@@ -119,7 +119,7 @@ def main() -> None:
     write_json(args.out, {
         "benchmark": "peers_shape", "model": "Qwen3-1.7B shape, Llama family, random bf16, demo tokenizer",
         "shape": SHAPE, "prompt": PROMPT, "prompt_tokens": len(ids), "max_new_tokens": args.tokens,
-        "rounds": args.rounds, "threads": threads, "llama_cpp_python": llama_version,
+        "rounds": args.rounds, "threads": threads, "llama_cpp_python": llama_version, "compile": args.compile,
         "bandwidth_gbps": [round(bw_before / 1e9, 1), round(bw_after / 1e9, 1)], "machine": machine(),
         "rows": out_rows, "samples": {k: [list(map(lambda v: round(v, 2), x)) for x in s] for k, s in samples.items()}})
     print("wrote", args.out)
