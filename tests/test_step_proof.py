@@ -93,6 +93,15 @@ def test_what_falls_short_and_why():
     assert "bound" not in proof.describe({"race": tiny})
 
 
+def test_a_step_must_beat_the_eager_one_by_a_margin_to_be_used():
+    # It holds a second copy of the weights, and a near-tie is decided by the read rate's drift
+    tie = proof.race(25.9, 25.8, 538 << 20, 22e9)
+    assert "25.8 ms a token against 25.9 eager" in proof.eager_wins({"race": tie})
+    assert "not used" in proof.describe({"race": tie})
+    ahead = proof.race(25.9, 25.9 * (1 - proof.WIN_MARGIN) - 0.1, 538 << 20, 22e9)
+    assert proof.eager_wins({"race": ahead}) == ""
+
+
 def answer(eng, n=24):
     chat = eng.chat()
     list(chat.send(PROMPT, max_new_tokens=n))
