@@ -119,7 +119,7 @@ def short(proof: dict) -> str:
 
 # A package is used only if its race beat the eager step by this much: it holds a second
 # copy of the weights, and a race closer than this is a tie that the read rate's drift
-# decides. Demo model in float32, both at the memory's bound (Sapphire Rapids VM): the step
+# decides. Demo model in float32, both at the memory's bound (the 2-core Intel Xeon VM with AMX): the step
 # raced 25.8 ms against 25.9 eager in its build, then decoded at 34.2 tok/s against the
 # eager step's 37.2 in the benchmark that followed (benchmarks/peers.py, 0.92x).
 WIN_MARGIN = 0.05
