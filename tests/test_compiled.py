@@ -14,6 +14,7 @@ import engine
 from engine.compile import exported
 from engine.compile import step as compiled
 from engine.compile import worker as compile_worker
+from engine.kernels import q4_kernel
 from tiny import build_model
 from waiting import wait_until
 
@@ -504,13 +505,9 @@ def test_bfloat16_builds_autotuned(tiny_llama, compile_cache):
 
 
 def test_quantized_target_and_its_drafter_compile(tiny_llama, compile_cache, monkeypatch):
-    # An int8 target drafted for by its own int4 copy: both decode steps compile, one
-    # after the other, and the answer is the eager one (float32 activations: the
-    # compiled int8 kernel accumulates as the aten one does, to float32 rounding).
-    # The int4 weights in aten's layout: in the form localchat's own int4 kernel reads
-    # they are not compiled (test_layer_kernel.py), and the build's child reads the switch too.
-    from engine.kernels import q4_kernel
-    monkeypatch.setenv("LOCALCHAT_INT4_KERNEL", "off")
+    # An int8 target drafted for by its own int4 copy (in aten's layout: our int4 kernel's is not compiled): both
+    # steps compile, one after the other, and the answer is the eager one (float32 activations: to float32 rounding).
+    monkeypatch.setenv("LOCALCHAT_INT4_KERNEL", "off")          # the build's child reads it too
     monkeypatch.setattr(q4_kernel, "_state", ["turned off (LOCALCHAT_INT4_KERNEL=off)"])
     kw = dict(dtype="float32", profile="resident-int8", drafter="model", draft_model="self", max_draft=1,
               cache_dir=compile_cache)
@@ -523,8 +520,7 @@ def test_quantized_target_and_its_drafter_compile(tiny_llama, compile_cache, mon
     assert draft_step.wait(900), draft_step.error
     assert (step.source, draft_step.source) == ("built", "built"), step.notes + draft_step.notes
     assert (step.built_in, draft_step.built_in) == ("child", "child")     # each reloaded from its recipe
-    # Then the target's verify pass (drafts of one token: the 2-row bucket), on the int8
-    # weights' own tensors; the drafter verifies nothing.
+    # Then the target's verify pass (drafts of one token: the 2-row bucket) on the int8 weights; the drafter verifies none.
     assert step.rows == (2,) and draft_step.rows == ()
     assert step.wait_passes(900), (step.passes_error, step.notes)
     # The packed weights became constants of the graph: their tensors are parameters.
