@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `localchat` command: run it, then leave (_leave). Callers in a process that goes
+    on (the tests) call run(), which never ends the process."""
+    return _leave(run(argv))
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Parse and dispatch; the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         from .bench import bench_main
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return doctor_main(argv[1:])
     if argv and argv[0] == "setup":
         from .wizard import setup_main
-        return _leave(setup_main(argv[1:]))
+        return setup_main(argv[1:])
     if argv and argv[0] == "serve":
         from .serve_cli import serve_main
         return serve_main(argv[1:])
@@ -80,20 +87,21 @@ def main(argv: list[str] | None = None) -> int:
                 error("--no-log starts an unsaved chat; it cannot resume one (drop --continue/--cid)")
                 return EXIT_USAGE
             mode = compile_mode(settings, interactive=True)
-            return _leave(run_tui(lambda s, progress=None: open_engine(s, progress, compile=mode, api_key=args.api_key),
-                                  settings,
-                                  data_dir=args.data_dir, resume="last" if args.resume_last else args.cid,
-                                  save=not args.no_log))
+            return run_tui(lambda s, progress=None: open_engine(s, progress, compile=mode, api_key=args.api_key),
+                           settings, data_dir=args.data_dir, resume="last" if args.resume_last else args.cid,
+                           save=not args.no_log)
         from .oneshot import run_oneshot
-        return _leave(run_oneshot(args, settings))
+        return run_oneshot(args, settings)
     except KeyboardInterrupt:
         print(file=sys.stderr)
-        return _leave(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
 
 
 def _leave(code: int) -> int:
     """Exit code passthrough, except while a background compile still runs: then flush and
-    leave at once (engine.compile.worker.busy says why)."""
+    leave at once (engine.compile.worker.busy says why). Only for the process's own exit:
+    called in a test's process, it ended the whole test run with status 0 and no summary
+    (a one-shot answer left a stale package's race running in the background)."""
     import engine.compile.worker
     if engine.compile.worker.busy():
         sys.stdout.flush()

@@ -167,7 +167,7 @@ def oneshot(args, data_dir, monkeypatch, capsys) -> tuple[int, str, str]:
     monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(data_dir))
     monkeypatch.setattr(sys, "stdin", TerminalStdin())
     capsys.readouterr()
-    code = cli.main(args)
+    code = cli.run(args)
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -239,9 +239,9 @@ def test_resume_flags_are_checked(capsys):
     """--continue with --cid, or either with a one-shot prompt, is one line and exit 2
     (nothing is loaded)."""
     from localchat import cli
-    assert cli.main(["--continue", "--cid", "3"]) == 2
+    assert cli.run(["--continue", "--cid", "3"]) == 2
     assert "give one" in capsys.readouterr().err
-    assert cli.main(["--cid", "3", "a prompt"]) == 2
+    assert cli.run(["--cid", "3", "a prompt"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "chat UI" in err
 
