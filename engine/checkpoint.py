@@ -114,6 +114,49 @@ def config_numbers(cfg, where: str):
     return text, number
 
 
+# Mixture-of-experts families whose sparse blocks localchat runs as mixtures
+# (engine/models/moe.py), and the settings of theirs it knows. A setting beyond these (a
+# grouped router, another expert layout) would change what a block computes: refused.
+MOE_FAMILIES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_moe", "qwen2_moe")
+MOE_KEYS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+            "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "router_aux_loss_coef",
+            "output_router_logits", "router_jitter_noise"}
+_MOE_WORDS = ("expert", "moe", "router", "topk", "top_k", "n_group")
+
+
+def has_dense_mlp(text: dict) -> bool:
+    """Whether any decoder layer has a dense MLP (and so needs intermediate_size): every layer
+    of a mixture is sparse unless mlp_only_layers names it or decoder_sparse_step skips it."""
+    if not text.get("num_experts"):
+        return True
+    step = text.get("decoder_sparse_step") or 1
+    return bool(text.get("mlp_only_layers")) or (isinstance(step, int) and step > 1)
+
+
+def sparse_layer(text: dict, i: int) -> bool:
+    """Whether decoder layer i is a mixture-of-experts block (transformers' rule)."""
+    step = text.get("decoder_sparse_step") or 1
+    return bool(text.get("num_experts")) and i not in set(text.get("mlp_only_layers") or ()) \
+        and (i + 1) % step == 0
+
+
+def check_moe(text: dict, number, where: str) -> None:
+    """The expert settings of a mixture: whole numbers that fit together, and none this
+    version does not run (one line naming the key)."""
+    if text.get("model_type") in MOE_FAMILIES:
+        for key in sorted(text):
+            if key not in MOE_KEYS and any(w in key.lower() for w in _MOE_WORDS):
+                raise CheckpointError(f"{where}: {key} is a mixture-of-experts setting this version does not "
+                                      f"run for {text['model_type']}; pick another model")
+    if not text.get("num_experts"):
+        return
+    experts, k = number("num_experts"), number("num_experts_per_tok")
+    number("moe_intermediate_size")
+    if k > experts:
+        raise CheckpointError(f"{where}: num_experts_per_tok = {k} is more than num_experts = {experts}; "
+                              "fix the file or re-download the model")
+
+
 def validate_dir(path: Path) -> None:
     """Check a model directory without reading weights: config, tokenizer, and every
     safetensors file complete (header parses, file as long as the header says)."""
@@ -126,9 +169,12 @@ def validate_dir(path: Path) -> None:
         cfg = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{config}: unreadable config ({exc}); re-download the model") from None
-    _, number = config_numbers(cfg, str(config))
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+    text, number = config_numbers(cfg, str(config))
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         number(key)                                     # the numbers every loader relies on
+    check_moe(text, number, str(config))
+    if has_dense_mlp(text):
+        number("intermediate_size")
     for key in ("num_key_value_heads", "head_dim"):
         number(key, 0)
     if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):

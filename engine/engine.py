@@ -178,6 +178,8 @@ class Engine:
                 "verify_rows": getattr(getattr(t, "impl", None), "rows", None) and t.impl.rows.reason,
                 # why one-token steps do not run the layer kernel ("" when they do)
                 "layer_kernel": getattr(getattr(t, "impl", None), "layer_kernel_note", "not this forward"),
+                # a mixture of experts: whether its routed experts run in the kernel (models/moe.py)
+                **({"experts": note} if (note := getattr(getattr(t, "impl", None), "experts_note", "")) else {}),
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
 
 

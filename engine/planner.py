@@ -12,6 +12,7 @@ table (`localchat doctor`)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -51,6 +52,12 @@ class ModelShape:
     # (engine/models/replay.py): elements in the activation dtype, and in float32.
     replay_act: int = 0
     replay_f32: int = 0
+    # A mixture of experts: the routed experts' matrices (part of linear_params), how many
+    # experts a sparse layer holds and how many a token reads. A token reads the rest of
+    # the weights and only its top-k experts in each sparse layer.
+    expert_params: int = 0
+    experts: int = 0
+    experts_per_tok: int = 0
 
     def replay_bytes(self, max_draft: int, act_bytes: int | None = None) -> int:
         """The replay buffer of a conversation drafting up to max_draft tokens a round."""
@@ -72,8 +79,26 @@ class ModelShape:
     def weight_bytes(self, weights: str = "exact", group_size: int = 32) -> int:
         return self.linear_bytes(weights, group_size) + self.other_params * self.dtype_bytes
 
-    def linear_bytes(self, weights: str = "exact", group_size: int = 32) -> int:
-        p = self.linear_params
+    def expert_fraction(self, positions: int = 1) -> float:
+        """The share of a sparse layer's routed experts a pass of `positions` tokens reads:
+        the distinct experts they route to, E(1 - (1 - k/E)^n) of E under uniform routing."""
+        if not self.experts:
+            return 1.0
+        return 1.0 - (1.0 - self.experts_per_tok / self.experts) ** max(1, positions)
+
+    def read_bytes(self, weights: str = "exact", group_size: int = 32, positions: int = 1) -> int:
+        """The bytes a pass of `positions` tokens reads: every decoder matrix but the routed
+        experts, the experts its tokens route to, the norms and the head, and one embedding row
+        a token (a tied table is read whole, as the head)."""
+        dense = self.linear_params - self.expert_params
+        linear = self.linear_bytes(weights, group_size, dense) \
+            + int(self.linear_bytes(weights, group_size, self.expert_params) * self.expert_fraction(positions))
+        table = 0 if self.tied_embeddings else self.vocab * self.hidden
+        other = self.other_params - table + min(table, positions * self.hidden)
+        return linear + other * self.dtype_bytes
+
+    def linear_bytes(self, weights: str = "exact", group_size: int = 32, params: int | None = None) -> int:
+        p = self.linear_params if params is None else params
         if weights == "exact":
             return p * self.dtype_bytes
         if weights == "int8":        # 1 byte a weight + a bf16 scale per output channel
@@ -94,25 +119,35 @@ class ModelShape:
         heads = number("num_attention_heads")
         kv = number("num_key_value_heads", heads)
         hd = number("head_dim", hidden // heads)
-        inter, vocab = number("intermediate_size"), number("vocab_size")
+        from .checkpoint import has_dense_mlp, sparse_layer
+        vocab = number("vocab_size")
+        # A mixture with no dense layer has no intermediate_size: its widest MLP activation
+        # (what the activation memory counts) is then k experts' and the shared expert's.
+        inter = number("intermediate_size") if has_dense_mlp(text) else \
+            number("moe_intermediate_size") * number("num_experts_per_tok") + (text.get("shared_expert_intermediate_size") or 0)
         if heads % kv:
             raise CheckpointError(f"{where}: num_attention_heads = {heads} is not a multiple of "
                                   f"num_key_value_heads = {kv}; fix the file or re-download the model")
         tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-        per_layer = hidden * heads * hd + 2 * hidden * kv * hd + heads * hd * hidden + 3 * hidden * inter
+        attention = hidden * heads * hd + 2 * hidden * kv * hd + heads * hd * hidden
         bias = (heads + 2 * kv) * hd if text.get("attention_bias") or text.get("model_type") == "qwen2" else 0
         norms = 2 * hidden + (2 * hd if text.get("model_type", "").startswith("qwen3") else 0)
-        other = vocab * hidden * (1 if tied else 2) + hidden + layers * (norms + bias)
         dt = dtype_bytes or _dtype_bytes(text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype"))
         types = _layer_types(text, layers)
         # KV per token: attention layers only; a hybrid's linear_attention layers keep a fixed state
         attn = sum(1 for t in types if "attention" in t and "linear" not in t) if types else layers
-        linear = layers * per_layer
+        mlp = [_mlp_params(text, number, sparse_layer(text, i)) for i in range(layers)]
+        experts = sum(m[2] for m in mlp)
         if "linear_attention" in types:
             linear, extra = _hybrid_params(text, types, number)
-            other = vocab * hidden * (1 if tied else 2) + hidden + extra
+        else:
+            linear, extra = layers * attention, layers * (norms + bias)
+        linear += sum(m[0] for m in mlp)
+        other = vocab * hidden * (1 if tied else 2) + hidden + extra + sum(m[1] for m in mlp)
+        k = text.get("num_experts_per_tok") or 0 if experts else 0
         return cls(name or text.get("model_type", "model"), layers, hidden, heads, kv, hd, inter, vocab, dt,
-                   linear, other, tied, attn or layers, _state_bytes(text, types, dt), *_replay_elems(text, types))
+                   linear, other, tied, attn or layers, _state_bytes(text, types, dt), *_replay_elems(text, types),
+                   expert_params=experts, experts=text.get("num_experts") or 0 if experts else 0, experts_per_tok=k)
 
     @classmethod
     def from_checkpoint(cls, path: Path, name: str = "") -> "ModelShape":
@@ -127,10 +162,12 @@ class ModelShape:
         linear = other = 0
         dt = shape.dtype_bytes
         index = tensor_index(Path(path))
-        # A published multimodal checkpoint (Qwen3.5) holds a vision tower that is not loaded
+        experts = 0
+        # A published multimodal checkpoint (Qwen3.5) holds a vision tower that is not loaded,
+        # and Qwen3.5's a multi-token-prediction layer (mtp.*) the target does not run
         nested = any(name.startswith("model.language_model.") for name in index)
         for e in index.values():
-            if nested and not e.name.startswith(("model.language_model.", "lm_head.")):
+            if (nested and not e.name.startswith(("model.language_model.", "lm_head."))) or e.name.startswith("mtp."):
                 continue
             n = 1
             for d in e.shape:
@@ -142,9 +179,29 @@ class ModelShape:
                 or e.name.endswith(("experts.gate_up_proj", "experts.down_proj"))
             if ".layers." in e.name and matrix:
                 linear += n
+                if _ROUTED.search(e.name):
+                    experts += n
             else:
                 other += n
-        return replace(shape, dtype_bytes=dt, linear_params=linear, other_params=other)
+        return replace(shape, dtype_bytes=dt, linear_params=linear, other_params=other, expert_params=experts)
+
+
+# A routed expert's matrices in the files: fused 3-D (experts.gate_up_proj) or one a matrix
+# (experts.7.up_proj.weight); not the shared expert (shared_expert.*)
+_ROUTED = re.compile(r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj|\d+\.)")
+
+
+def _mlp_params(text: dict, number, sparse: bool) -> tuple[int, int, int]:
+    """(decoder matrices, other parameters, routed experts' matrices) of one layer's MLP:
+    a dense SwiGLU MLP, or a mixture of experts (routed experts, a shared expert and its
+    one-output gate: matrices; the router: not)."""
+    hidden = number("hidden_size")
+    if not sparse:
+        return 3 * hidden * number("intermediate_size"), 0, 0
+    experts, moe = number("num_experts"), number("moe_intermediate_size")
+    shared = text.get("shared_expert_intermediate_size") or 0
+    routed = 3 * hidden * experts * moe
+    return routed + 3 * hidden * shared + (hidden if shared else 0), hidden * experts, routed
 
 
 def _layer_types(text: dict, layers: int) -> list[str]:
@@ -163,9 +220,8 @@ def _hybrid_params(text: dict, types: list, number) -> tuple[int, int]:
     """(decoder matrices, the rest of the decoder layers) of a Qwen3.5 / Qwen3-Next config:
     gated attention layers (q_proj twice as wide: its second half gates the output),
     gated delta-net layers (q/k/v/z, beta and decay projections, out_proj; conv weights,
-    decay parameters and the gated norm besides), a dense MLP or a mixture of experts with
-    a shared expert (matrices) and a router (not), two norms a layer. Checked against the
-    tensors of saved checkpoints in tests/test_hybrid.py."""
+    decay parameters and the gated norm besides), two norms a layer; the MLPs are
+    _mlp_params'. Checked against the tensors of saved checkpoints in tests/test_hybrid.py."""
     hidden, heads = number("hidden_size"), number("num_attention_heads")
     kv = number("num_key_value_heads", heads)
     hd = number("head_dim", hidden // heads)
@@ -173,23 +229,14 @@ def _hybrid_params(text: dict, types: list, number) -> tuple[int, int]:
     vh, vd = number("linear_num_value_heads"), number("linear_value_head_dim")
     conv_k = number("linear_conv_kernel_dim", 4)
     conv_dim = 2 * kh * kd + vh * vd
-    experts = text.get("num_experts") or 0
-    sparse_step = text.get("decoder_sparse_step") or 1
-    dense_only = set(text.get("mlp_only_layers") or ())
     linear = other = 0
-    for i, kind in enumerate(types):
+    for kind in types:
         if kind == "linear_attention":
             linear += hidden * (conv_dim + vh * vd + 2 * vh) + vh * vd * hidden
             other += conv_dim * conv_k + 2 * vh + vd
         else:
             linear += hidden * heads * hd * 2 + 2 * hidden * kv * hd + heads * hd * hidden
             other += 2 * hd
-        if experts and i not in dense_only and (i + 1) % sparse_step == 0:
-            moe, shared = number("moe_intermediate_size"), text.get("shared_expert_intermediate_size") or 0
-            linear += 3 * hidden * (experts * moe + shared) + (hidden if shared else 0)   # + the shared gate
-            other += hidden * experts                                                       # the router
-        else:
-            linear += 3 * hidden * number("intermediate_size")
         other += 2 * hidden
     return linear, other
 
@@ -250,6 +297,7 @@ class PlanRow:
     tps_bound: float             # predicted decode tokens/s at one token per pass
     note: str = ""
     state: int = 0               # a hybrid's recurrent states (live + the turn checkpoint): fixed, not per token
+    read_per_token: int = 0      # the bytes a one-token pass reads (a mixture: only its routed experts)
 
     @property
     def short_by(self) -> int:
@@ -372,13 +420,16 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     max_context = max(0, spare // kv_tok) if kv_tok else 0
     device_bw = bw.get(kind, bw["cpu"])
     if p.placement == "resident":
-        seconds = shape.weight_bytes(p.weights, p.group_size) / device_bw
+        read = shape.read_bytes(p.weights, p.group_size)
+        seconds = read / device_bw
     else:
-        seconds = ((place.resident_bytes + place.streamed_bytes) / device_bw
-                   + place.host_streamed_bytes / bw["host_to_device"] + place.disk_streamed_bytes / bw["disk"])
+        # a streamed layer is moved whole, every expert of it
+        read = place.resident_bytes + place.streamed_bytes
+        seconds = (read / device_bw + place.host_streamed_bytes / bw["host_to_device"]
+                   + place.disk_streamed_bytes / bw["disk"])
     return PlanRow(p.name, p.summary, weights, kv, draft_bytes, act, runtime, margin, total, budget, fits,
                    context, int(max_context), resident, host, disk, streamed,
-                   1.0 / seconds if seconds > 0 else 0.0, note, state)
+                   1.0 / seconds if seconds > 0 else 0.0, note, state, read)
 
 
 def streamed_units(shape: ModelShape) -> tuple[list[int], int, int]:
@@ -501,7 +552,7 @@ def gb_apart(a: float, b: float) -> tuple[str, str]:
 def format_plan(plan: Plan) -> str:
     # A hybrid's recurrent state is its own column (per conversation, not per token).
     hybrid = any(r.state for r in plan.rows)
-    head = (f"{'profile':<16} {'weights':>9} {'KV':>9} " + (f"{'state':>9} " if hybrid else "")
+    head = (f"{'profile':<16} {'weights':>9} {'read/tok':>9} {'KV':>9} " + (f"{'state':>9} " if hybrid else "")
             + f"{'drafter':>8} {'act':>8} {'runtime':>8} {'margin':>7} "
             f"{'total':>9} {'budget':>9} {'fits':>4} {'streamed/pass':>13} {'tok/s ≤':>8}")
     lines = [head]
@@ -511,7 +562,8 @@ def format_plan(plan: Plan) -> str:
     for r in plan.rows:
         mark = "→ " if r.profile == plan.chosen else "  "
         state = f"{gb(r.state):>9} " if hybrid else ""
-        lines.append(f"{mark}{r.profile:<14} {gb(r.weights):>9} {gb(r.kv):>9} {state}{gb(r.drafter):>8} "
+        lines.append(f"{mark}{r.profile:<14} {gb(r.weights):>9} {gb(r.read_per_token):>9} {gb(r.kv):>9} "
+                     f"{state}{gb(r.drafter):>8} "
                      f"{gb(r.activations):>8} {gb(r.runtime):>8} {gb(r.margin):>7} {gb(r.total):>9} "
                      f"{gb(r.budget):>9} {fits(r):>4} {gb(r.streamed_bytes_per_pass):>13} "
                      f"{r.tps_bound:>8.1f}")
@@ -522,6 +574,9 @@ def format_plan(plan: Plan) -> str:
                          f"layers stay on the device, {r.host_layers} are held in host RAM, {r.disk_layers} are read "
                          f"from disk; each pass streams {gb(r.streamed_bytes_per_pass)} (a verify pass of k+1 "
                          "tokens streams it once).")
+    if any(r.read_per_token < r.weights // 2 for r in plan.rows if r.profile.startswith("resident")):
+        lines.append("read/tok: what one token reads; a mixture of experts reads only its routed experts "
+                     "(a verify pass of n tokens, the distinct experts they route to).")
     if plan.not_runnable:
         lines.append(f"n/a: this version has no target for {', '.join(plan.not_runnable)} on this model "
                      "(shown for what it would need).")

@@ -81,22 +81,67 @@ CATALOG: list[CatalogModel] = [
 ]
 
 
-# A hybrid (gated delta-net + attention, one layer in four) with a mixture of experts: the
-# numbers transformers' Qwen3NextConfig defaults to, which its docstring gives as those of
-# Qwen/Qwen3-Next-80B-A3B-Instruct (transformers 5.24, configuration_qwen3_next.py). No
-# Qwen3.5 size is listed: no config with its linear-attention numbers could be cited here;
-# `localchat setup --model Qwen/Qwen3.5-...` plans any of them from its own config.json.
-_QWEN3_NEXT_80B = dict(
-    _cfg("qwen3_next", 2048, 48, 16, 2, 5632, 151936, False, head_dim=256),
-    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)],
-    linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32, linear_value_head_dim=128,
-    linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
-    shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[])
-# Its download is the parameter count at 2 bytes (bf16), not a figure read off the hub.
-CATALOG.append(CatalogModel("Qwen/Qwen3-Next-80B-A3B-Instruct", "Qwen3-Next-80B-A3B-Instruct", int(159.4 * GB),
-                            _QWEN3_NEXT_80B,
-                            note="hybrid MoE (3 B of 80 B parameters active a token); tok/s bounds count every "
-                                 "expert's bytes, so they understate it"))
+# The hybrids: gated delta-net layers with one full-attention layer in four, from the
+# published config.json fields gathered in shared/models/qwen-hybrid-configs.json (each
+# entry there names its sources: copies of the repos' config.json, Megatron launch
+# arguments and GGUF metadata). Every Qwen3.5 size has head_dim 256, 16 linear key heads,
+# key and value head dims 128, a conv window of 4 and the 248,320-token vocabulary (so
+# Qwen3.5-0.8B drafts for all of them). A download is the text parameters at 2 bytes (bf16):
+# the published repos also hold a small vision tower, which localchat does not load.
+def _hybrid(model_type: str, hidden: int, layers: int, heads: int, kv: int, value_heads: int, vocab: int,
+            tied: bool, inter: int | None = None, experts: tuple[int, int, int] | None = None) -> dict:
+    cfg = dict(_cfg(model_type, hidden, layers, heads, kv, inter or 0, vocab, tied, head_dim=256),
+               layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+               linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=value_heads,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144)
+    if inter is None:
+        del cfg["intermediate_size"]                  # every layer sparse: the published configs have none
+    if experts:
+        n, k, width = experts
+        cfg.update(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=width,
+                   shared_expert_intermediate_size=width)
+    return cfg
+
+
+_QWEN35_VOCAB = 248320
+# (repo, hidden, layers, heads, kv heads, linear value heads, tied, intermediate or (experts,
+# top-k, width), download in GB: the parameters these numbers give, at 2 bytes; note)
+_QWEN35 = [
+    ("Qwen/Qwen3.5-0.8B", 1024, 24, 8, 2, 16, True, 3584, 1.50, ""),
+    # tie_word_embeddings of 2B is unconfirmed (inferred from 0.8B and 4B, which tie)
+    ("Qwen/Qwen3.5-2B", 2048, 24, 8, 2, 16, True, 6144, 3.76, ""),
+    ("Qwen/Qwen3.5-4B", 2560, 32, 16, 4, 32, True, 9216, 8.41, ""),
+    ("Qwen/Qwen3.5-9B", 4096, 32, 16, 4, 32, False, 12288, 17.9, ""),
+    ("Qwen/Qwen3.5-27B", 5120, 64, 24, 4, 48, False, 17408, 53.8, ""),
+    ("Qwen/Qwen3.5-35B-A3B", 2048, 40, 16, 2, 32, False, (256, 8, 512), 69.3,
+     "hybrid MoE: about 3 B of 35 B parameters read a token"),
+    # tie_word_embeddings of 122B is unconfirmed (untied gives the stated 122 B)
+    ("Qwen/Qwen3.5-122B-A10B", 3072, 48, 32, 2, 64, False, (256, 8, 1024), 244.2,
+     "hybrid MoE: about 10 B of 122 B parameters read a token"),
+    ("Qwen/Qwen3.5-397B-A17B", 4096, 60, 32, 2, 64, False, (512, 10, 1024), 792.7,
+     "hybrid MoE: about 17 B of 397 B parameters read a token"),
+]
+
+
+def _qwen35_entry(repo, hidden, layers, heads, kv, vh, tied, mlp, download, note) -> CatalogModel:
+    moe = isinstance(mlp, tuple)
+    cfg = _hybrid("qwen3_5_moe_text" if moe else "qwen3_5_text", hidden, layers, heads, kv, vh, _QWEN35_VOCAB, tied,
+                  inter=None if moe else mlp, experts=mlp if moe else None)
+    return CatalogModel(repo, repo.split("/")[1], int(download * GB), cfg,
+                        drafter=None if repo == "Qwen/Qwen3.5-0.8B" else "Qwen/Qwen3.5-0.8B", note=note)
+
+
+CATALOG += [_qwen35_entry(*row) for row in _QWEN35]
+
+# Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Thinking's config.json, copied verbatim in the
+# shared file; the Instruct model's GGUF metadata matches): 512 experts, 10 a token, every
+# layer sparse (its intermediate_size, 5120, is unused), vocab 151936, untied; the download
+# is its parameters at 2 bytes.
+_QWEN3_NEXT_80B = dict(_hybrid("qwen3_next", 2048, 48, 16, 2, 32, 151936, False, inter=5120,
+                               experts=(512, 10, 512)), decoder_sparse_step=1, mlp_only_layers=[])
+CATALOG.append(CatalogModel("Qwen/Qwen3-Next-80B-A3B-Instruct", "Qwen3-Next-80B-A3B-Instruct",
+                            int(159.3 * GB), _QWEN3_NEXT_80B,
+                            note="hybrid MoE: about 3 B of 80 B parameters read a token"))
 
 
 def find(key: str | None) -> CatalogModel | None:

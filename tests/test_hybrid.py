@@ -15,7 +15,7 @@ from tiny import build_model
 PROMPTS = ["Why is the sky blue?", "def fib(n):\n    return n if n < 2 else fib(n - 1)", "Café 東京 🙂 for i in range(10):"]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "qwen3_5_moe"])
 def hybrid(request, tmp_path_factory, tokenizer):
     return build_model(tmp_path_factory.mktemp(request.param), request.param, layers=4, tokenizer=tokenizer, seed=2)
 

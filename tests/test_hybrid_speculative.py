@@ -41,7 +41,7 @@ class ScriptedDrafter:
         return out, None
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "lfm2"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "qwen3_5_moe", "lfm2"])
 def hybrid(request, tmp_path_factory, tokenizer):
     return build_model(tmp_path_factory.mktemp(request.param), request.param, layers=4, tokenizer=tokenizer, seed=9)
 

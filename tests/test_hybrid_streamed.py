@@ -19,7 +19,7 @@ from tiny import build_model
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "qwen3_5_vl", "lfm2"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_5_vl", "lfm2"])
 def hybrid(request, tmp_path_factory, tokenizer):
     return build_model(tmp_path_factory.mktemp(request.param), request.param, layers=8, tokenizer=tokenizer,
                        seed=5, shard="300KB")

@@ -80,6 +80,16 @@ def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2,
             model = Qwen3NextForCausalLM(Qwen3NextConfig(**linear, num_experts=4, num_experts_per_tok=2,
                                                          moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden,
                                                          **common))
+    elif kind == "qwen3_5_moe":
+        # Qwen3.5's mixture of experts (every layer sparse: no intermediate_size, as published):
+        # 4 experts, top-2, a shared expert; widths of 64 so int4 experts take q4.c's kernel.
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+        linear = dict(head_dim=hidden // 4, linear_num_value_heads=4, linear_num_key_heads=2,
+                      linear_key_head_dim=hidden // 4, linear_value_head_dim=hidden // 4)
+        moe = dict(common)
+        del moe["intermediate_size"]
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**linear, **moe, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=64, shared_expert_intermediate_size=64))
     elif kind == "lfm2":
         # Another hybrid family: LFM2's short-convolution layers (a conv window, no
         # recurrent state) beside attention layers.

@@ -1,7 +1,8 @@
 /* A whole Llama-family decoder layer for a one-token step or a verify pass, in one call:
  * RMSNorm, q/k/v, per-head q/k norms (Qwen3), rotary, the keys and values written into the
  * position-indexed cache, attention, o, the residual, RMSNorm, gate/up, SiLU, down, the
- * residual (layer_body.h, compiled once per element type).
+ * residual (layer_body.h, compiled once per element type); and a mixture-of-experts block's
+ * routed experts (moe_body.h), whose products are the same.
  *
  * Why: at the demo model's size a one-token step is some 25 small torch operations a layer,
  * and their dispatch, not the arithmetic, decided its speed (engine/models/llama_family.py
@@ -87,6 +88,7 @@ static inline void silu16(const float *g, float *out) {
 #define LINEAR linear_f32
 #define LINEAR_Q4(...) ((void)0)      /* no int4 weights in a float32 layer (layer_kernel.py) */
 #include "layer_body.h"
+#include "moe_body.h"
 #undef ELEM
 #undef FN
 #undef LD
@@ -102,6 +104,7 @@ static inline void silu16(const float *g, float *out) {
 #define LINEAR linear_bf16
 #define LINEAR_Q4 linear_q4_bf16
 #include "layer_body.h"
+#include "moe_body.h"
 #endif
 
 int layer_version(void) { return 2; }

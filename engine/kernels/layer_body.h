@@ -70,6 +70,21 @@ static void FN(product)(const ELEM *x, int64_t ldx, const Mat *m, const ELEM *bi
         LINEAR(x, ldx, (const ELEM *)m->w, K, bias, y, ldy, M, N, K, threads);
 }
 
+/* act [T, I] = SiLU(gate) * up of gu [T, 2I] (gate then up in each row), each rounded */
+static void FN(swiglu)(const ELEM *gu, ELEM *act, int T, int I) {
+    for (int r = 0; r < T; r++) {
+        const ELEM *g = gu + (int64_t)r * 2 * I, *u = g + I;
+        ELEM *a = act + (int64_t)r * I;
+        for (int i0 = 0; i0 < I; i0 += 16) {
+            int n = I - i0 < 16 ? I - i0 : 16;
+            float gv[16] = {0}, sv[16];
+            for (int i = 0; i < n; i++) gv[i] = LD(g[i0 + i]);
+            silu16(gv, sv);
+            for (int i = 0; i < n; i++) a[i0 + i] = ST(LD(ST(sv[i])) * LD(u[i0 + i]));
+        }
+    }
+}
+
 /* the widest input of the layer's products (q4.c's scratch holds a copy of x) */
 static int64_t FN(widest)(const LayerShape *s) {
     int64_t k = s->hidden > s->inter ? s->hidden : s->inter;
@@ -132,17 +147,7 @@ void FN(layer)(const LayerWeights *w, const LayerShape *s, ELEM *h, int T, int p
 
     for (int r = 0; r < T; r++) FN(rms)(h + (int64_t)r * hid, (const ELEM *)w->ln2, x + (int64_t)r * hid, hid, s->eps);
     FN(product)(x, hid, &w->gate_up, NULL, gu, 2 * I, T, 2 * I, hid, q4s, threads);
-    for (int r = 0; r < T; r++) {
-        const ELEM *g = gu + (int64_t)r * 2 * I, *u = g + I;
-        ELEM *a = act + (int64_t)r * I;
-        for (int i0 = 0; i0 < I; i0 += 16) {
-            int n = I - i0 < 16 ? I - i0 : 16;
-            float gv[16] = {0}, sv[16];
-            for (int i = 0; i < n; i++) gv[i] = LD(g[i0 + i]);
-            silu16(gv, sv);
-            for (int i = 0; i < n; i++) a[i0 + i] = ST(LD(ST(sv[i])) * LD(u[i0 + i]));
-        }
-    }
+    FN(swiglu)(gu, act, T, I);
     FN(product)(act, I, &w->down, NULL, y, hid, T, hid, I, q4s, threads);
     for (int64_t i = 0; i < (int64_t)T * hid; i++) h[i] = ST(LD(h[i]) + LD(y[i]));
 }

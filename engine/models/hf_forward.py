@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..cache import KVCache
 from ..kernels import row_kernel
-from . import replay, rows
+from . import moe, replay, rows
 from .llama_family import ALIGN_BYTES, aligned
 
 
@@ -152,6 +152,8 @@ class HFForward(rows.KernelPasses):
             for p in model.parameters():
                 if not p.is_meta and p.data_ptr() % ALIGN_BYTES:
                     p.data = aligned(p.data)
+        # Sparse blocks (a mixture of experts) through the experts kernel (models/moe.py)
+        self.experts_note = moe.install(model, self, cache.dtype) if cache.device.type == "cpu" else ""
 
     def weight_tensors(self) -> list[torch.Tensor]:
         seen, out = set(), []

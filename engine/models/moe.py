@@ -1,0 +1,113 @@
+"""Mixture-of-experts blocks (Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE, Qwen2-MoE) run as
+mixtures through the kernels: the router's logits through the row kernel (a verify pass's
+rows are one-token steps), its softmax and top-k as transformers computes them (ties
+broken as torch.topk breaks them), and the routed experts in one call of C
+(kernels/moe_kernel.py) that reads each hit expert once for every row routed to it. The
+shared expert and its gate are nn.Linear modules: the row kernel runs them as it runs every
+other (hf_forward.py).
+
+A block this does not know keeps transformers' forward; `describe()` says which ran."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels import moe_kernel, row_kernel
+
+
+def _dense_experts(m: nn.Module) -> bool:
+    gu, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    return isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == down.dim() == 3
+
+
+def _packed_experts(m: nn.Module) -> bool:
+    return isinstance(getattr(m, "gate_up", None), list) and isinstance(getattr(m, "down", None), list)
+
+
+def blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(router, experts) of every sparse block: a module with a `gate` that routes (top_k,
+    num_experts, a weight [E, hidden]) and `experts` held as 3-D matrices or packed ones."""
+    out = []
+    for m in model.modules():
+        gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
+        if (gate is not None and experts is not None and hasattr(gate, "top_k") and hasattr(gate, "weight")
+                and (_dense_experts(experts) or _packed_experts(experts))):
+            out.append((gate, experts))
+    return out
+
+
+def _normalizes(gate: nn.Module) -> bool | None:
+    """Whether the router rescales its top-k weights to sum to one: Qwen3-Next, Qwen3-MoE and
+    Qwen2-MoE say so in norm_topk_prob; Qwen3.5-MoE's router always does; None: unknown."""
+    if hasattr(gate, "norm_topk_prob"):
+        return bool(gate.norm_topk_prob)
+    if type(gate).__name__ == "Qwen3_5MoeTopKRouter":
+        return True
+    return None
+
+
+def _router_forward(gate: nn.Module, normalize: bool, fwd):
+    def forward(hidden_states: torch.Tensor):
+        x = hidden_states.reshape(-1, gate.hidden_dim)
+        w_t = gate.weight.t()
+        if fwd._row_kernel(x.shape[0]) and row_kernel.fits(x, w_t, None):
+            logits = row_kernel.linear(x, w_t)
+        else:
+            logits = nn.functional.linear(x, gate.weight)
+        probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+        top, index = torch.topk(probs, gate.top_k, dim=-1)
+        if normalize:
+            top /= top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), index
+    return forward
+
+
+def _experts_forward(m: nn.Module, kernel: moe_kernel.Experts, dtype: torch.dtype):
+    plain = m.forward
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        if kernel.dense is not None:
+            gu, down = m.gate_up_proj, m.down_proj
+            if not (gu.dtype == down.dtype == hidden_states.dtype == dtype and gu.is_cpu
+                    and gu.is_contiguous() and down.is_contiguous()):
+                return plain(hidden_states, top_k_index, top_k_weights)
+            kernel.dense = (gu, down)            # a streamed slot's current binding
+        elif hidden_states.dtype != dtype:
+            return plain(hidden_states, top_k_index, top_k_weights)
+        return kernel(hidden_states, top_k_index, top_k_weights)
+    return forward
+
+
+def install(model: nn.Module, fwd, dtype: torch.dtype) -> str:
+    """Run the model's sparse blocks through the kernels where they can; returns a note for
+    describe() ('' for a dense model)."""
+    found = blocks(model)
+    if not found:
+        return ""
+    cfg = getattr(model.config, "text_config", model.config)
+    why = moe_kernel.why_not(dtype)
+    if not why and getattr(cfg, "hidden_act", "silu") != "silu":
+        why = f"activation {cfg.hidden_act!r}"
+    ran = 0
+    for gate, experts in found:
+        normalize = _normalizes(gate)
+        if why or normalize is None:
+            continue
+        E, hid = gate.weight.shape
+        if _dense_experts(experts):
+            inter = experts.down_proj.shape[-1]
+            kernel = moe_kernel.Experts(dtype, E, hid, inter, dense=(experts.gate_up_proj, experts.down_proj))
+        else:
+            gu, down = experts.gate_up, experts.down
+            if not all(getattr(w, "canonical", False) for w in gu + down) or dtype != torch.bfloat16 \
+                    or len(gu) != E:
+                why = why or "int8 experts (no int8 kernel yet)"
+                continue
+            inter = down[0].shape[1]
+            kernel = moe_kernel.Experts(dtype, E, hid, inter, int4=(gu, down))
+        gate.forward = _router_forward(gate, normalize, fwd)
+        experts.forward = _experts_forward(experts, kernel, dtype)
+        ran += 1
+    if ran == len(found):
+        return f"the experts of {ran} sparse blocks run in one C call a pass, each hit expert read once"
+    return f"{len(found) - ran} of {len(found)} sparse blocks run transformers' experts loop ({why or 'unknown router'})"

@@ -1,0 +1,174 @@
+"""Mixtures of experts run as mixtures: the experts kernel (engine/kernels/moe_kernel.py)
+computes what transformers' experts modules compute, every row a lone row's bits at any
+thread count; the engine runs it in every profile that can; published MoE configs (no
+intermediate_size) load and plan by what a token reads; an MoE setting this version does
+not run is one line."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import engine
+from engine.checkpoint import CheckpointError
+from engine.kernels import moe_kernel
+from engine.planner import ModelShape
+from tiny import build_model
+
+SHARED = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared" / "models" / "qwen-hybrid-configs.json"
+
+
+def _experts(dtype, hidden=128, inter=64, experts=8, seed=0):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    torch.manual_seed(seed)
+    cfg = Qwen3_5MoeTextConfig(vocab_size=64, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32, num_experts=experts, num_experts_per_tok=2,
+                               moe_intermediate_size=inter, shared_expert_intermediate_size=inter,
+                               layer_types=["full_attention"])
+    module = Qwen3_5MoeForCausalLM(cfg).model.layers[0].mlp.experts.to(dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.2)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_kernel_computes_the_experts_module_and_every_row_alone(dtype):
+    if moe_kernel.why_not(dtype):
+        pytest.skip(moe_kernel.why_not(dtype))
+    module = _experts(dtype)
+    g = torch.Generator().manual_seed(1)
+    T = 9
+    x = torch.randn(T, 128, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(T)])
+    idx[3] = torch.tensor([7, 0])                      # an order other than ascending
+    w = torch.rand(T, 2, generator=g).to(dtype)
+    kernel = moe_kernel.Experts(dtype, 8, 128, 64, dense=(module.gate_up_proj.data, module.down_proj.data))
+    with torch.no_grad():
+        want = module(x, idx, w).float()
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(kernel(x, idx, w))
+            # each row computed as a lone row is the same bits as in the pass of T rows
+            alone = torch.cat([kernel(x[i:i + 1], idx[i:i + 1], w[i:i + 1]) for i in range(T)])
+            assert torch.equal(alone, runs[-1]), n
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(runs[0], runs[1])
+    # Close to transformers' module: the same roundings, other summation orders inside a
+    # product (a 128-long dot product in float32 accumulators, then rounded to the dtype):
+    # within a few units in the last place of the output's scale.
+    ulp = torch.finfo(dtype).eps * want.abs().max()
+    assert (runs[0].float() - want).abs().max() <= 4 * ulp
+
+
+def test_int4_experts_take_the_kernel_and_equal_the_packed_loop(tmp_path, tokenizer):
+    path = build_model(tmp_path / "m", "qwen3_5_moe", layers=4, tokenizer=tokenizer, seed=3)
+    eng = engine.open(str(path), drafter="none", profile="resident-int4", cache_dir=tmp_path)
+    if moe_kernel.why_not(torch.bfloat16):
+        assert "transformers' experts loop" in eng.describe().get("experts", "")
+        return
+    assert "one C call a pass" in eng.describe()["experts"]
+    block = next(m for m in eng.target.impl.model.modules() if type(m).__name__ == "PackedExperts")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [3, 2], [1, 3], [2, 0], [3, 1]])
+    w = torch.rand(5, 2, generator=g).to(torch.bfloat16)
+    loop = type(block).forward(block, x, idx, w).float()         # the packed weights' own loop
+    got = block(x, idx, w).float()
+    assert (got - loop).abs().max() <= 4 * torch.finfo(torch.bfloat16).eps * loop.abs().max()
+
+
+def test_every_profile_reports_where_the_experts_ran(tmp_path, tokenizer):
+    path = build_model(tmp_path / "m", "qwen3_5_moe", layers=4, tokenizer=tokenizer, seed=4)
+    for profile, dtype in (("resident-exact", "float32"), ("resident-exact", "bfloat16"),
+                           ("resident-int8", None)):
+        eng = engine.open(str(path), drafter="none", profile=profile, dtype=dtype, cache_dir=tmp_path)
+        note = eng.describe()["experts"]
+        act = eng.target.cache.dtype
+        if profile == "resident-int8":
+            assert "experts loop (int8 experts" in note or "experts loop" in note
+        elif not moe_kernel.why_not(act):
+            assert note.startswith("the experts of 4 sparse blocks run in one C call"), (profile, note)
+        assert list(eng.chat().send("hi", max_new_tokens=4))[-1].reason == "length"
+
+
+def test_a_published_moe_config_loads_without_intermediate_size(tmp_path, tokenizer):
+    path = build_model(tmp_path / "m", "qwen3_5_moe", layers=4, tokenizer=tokenizer, seed=5)
+    cfg = json.loads((path / "config.json").read_text())
+    assert "intermediate_size" not in cfg
+    shape = ModelShape.from_checkpoint(path)
+    planned = ModelShape.from_config(cfg)
+    # the routed experts by hand: 4 layers x 4 experts x 3 matrices of 64 x 64
+    assert shape.expert_params == planned.expert_params == 4 * 4 * 3 * 64 * 64
+    assert (planned.linear_params, planned.other_params) == (shape.linear_params, shape.other_params)
+    assert (shape.experts, shape.experts_per_tok) == (4, 2)
+
+
+def test_an_moe_setting_this_version_does_not_run_is_one_line(tmp_path, tokenizer):
+    path = build_model(tmp_path / "m", "qwen3_5_moe", layers=4, tokenizer=tokenizer, seed=6)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["n_group"] = 8                                  # a grouped router (DeepSeek's)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config.json: n_group is a mixture-of-experts setting"):
+        engine.open(str(path), drafter="none")
+    proc = subprocess.run([sys.executable, "-m", "localchat", "--model", str(path), "--no-log", "hi"],
+                          capture_output=True, timeout=300)
+    err = proc.stderr.decode().strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "n_group" in err and "Traceback" not in err
+    del cfg["n_group"]
+    cfg["num_experts_per_tok"] = 9                      # more than the 4 experts it has
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="num_experts_per_tok = 9 is more than num_experts = 4"):
+        engine.open(str(path), drafter="none")
+
+
+def _published(model: str) -> dict:
+    """A published config from shared/models as a config.json would hold it."""
+    entry = next(m for m in json.loads(SHARED.read_text()) if m["model"].startswith(model))
+    f = entry["fields"]
+    n = f["num_hidden_layers"]
+    cfg = {k: v for k, v in f.items() if isinstance(v, (int, float, list)) and not isinstance(v, bool)}
+    cfg.update(model_type="qwen3_5_moe_text" if "3.5" in model else "qwen3_next", tie_word_embeddings=False,
+               layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)])
+    if "3.5" in model:
+        cfg.pop("intermediate_size", None)
+    return cfg
+
+
+@pytest.mark.skipif(not SHARED.is_file(), reason="shared/models is not beside this checkout")
+def test_bytes_a_token_reads_of_the_published_mixtures():
+    """By hand, in bf16 (2 bytes a weight), per layer with hidden h:
+    - a gated delta-net layer: in_proj_qkv h x (2 x 16 x 128 + V x 128), in_proj_z h x V x 128,
+      in_proj_b/a 2 x h x V, out_proj V x 128 x h (V linear value heads);
+    - a full-attention layer: q (with its gate) h x 2 x H x 256, k and v 2 x h x 2 x 256, o H x 256 x h;
+    - every layer: the router h x E, the shared expert 3 x h x s and its gate h, and k of E
+      routed experts of 3 x h x m; the head vocab x h and one embedding row.
+    Qwen3.5-35B-A3B (h 2048, V 32, H 16, E 256, k 8, m = s = 512, 30 + 10 layers, vocab 248320):
+      delta 16.777e6 + 8.389e6 + 0.131e6 + 8.389e6 = 33.686e6 x 30 = 1010.6e6; attention
+      16.777e6 + 2.097e6 + 8.389e6 = 27.263e6 x 10 = 272.6e6; per layer 0.524e6 + 3.148e6 +
+      8 x 3.146e6 = 28.837e6 x 40 = 1153.5e6; head 508.6e6; with the norms and conv kernels
+      (0.33e6 x 30 + ...) 2.946e9 weights: 5.89 GB, of 69.3 GB held.
+    Qwen3.5-122B-A10B (h 3072, V 64, H 32, E 256, k 8, m = s = 1024, 36 + 12 layers): 9.0e9 read.
+    Qwen3-Next-80B-A3B (h 2048, V 32, H 16, E 512, k 10, m = s = 512, 36 + 12, vocab 151936):
+      10 of 512 experts a token: 3.56e9 read of 79.7e9."""
+    a3b = ModelShape.from_config(_published("Qwen/Qwen3.5-35B-A3B"))
+    delta = 2048 * (2 * 16 * 128 + 32 * 128) + 2048 * 32 * 128 + 2 * 2048 * 32 + 32 * 128 * 2048
+    attention = 2048 * 2 * 16 * 256 + 2 * 2048 * 2 * 256 + 16 * 256 * 2048
+    sparse = 2048 * 256 + 3 * 2048 * 512 + 2048 + 8 * 3 * 2048 * 512
+    small = 30 * (8192 * 4 + 2 * 32 + 128) + 10 * 2 * 256 + 40 * 2 * 2048 + 2048    # conv, decay, norms
+    want = 30 * delta + 10 * attention + 40 * sparse + 248320 * 2048 + 2048 + small
+    assert a3b.read_bytes() == 2 * want
+    assert a3b.read_bytes() == pytest.approx(5.89e9, rel=0.005)
+    assert a3b.weight_bytes() == pytest.approx(69.3e9, rel=0.005)
+    assert ModelShape.from_config(_published("Qwen/Qwen3.5-122B-A10B")).read_bytes() == pytest.approx(2 * 9.0e9, rel=0.01)
+    nxt = ModelShape.from_config(_published("Qwen/Qwen3-Next-80B-A3B"))
+    assert nxt.read_bytes() == pytest.approx(2 * 3.56e9, rel=0.01) and nxt.params == pytest.approx(79.7e9, rel=0.01)
+    # a verify pass of n tokens reads the distinct experts they route to: E(1 - (1 - k/E)^n)
+    one, nine = a3b.read_bytes(positions=1), a3b.read_bytes(positions=9)
+    experts = 40 * 256 * 3 * 2048 * 512 * 2
+    assert nine - one == pytest.approx(experts * ((1 - (1 - 8 / 256) ** 9) - 8 / 256) + 8 * 2048 * 2, rel=1e-6)
