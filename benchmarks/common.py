@@ -49,3 +49,13 @@ def read_bandwidth(gib: float = 1.0, reps: int = 7) -> float:
         x.sum()
         times.append(time.perf_counter() - t)
     return x.numel() * 4 / median(times)
+
+
+def demo_tokenizer():
+    """The demo model's tokenizer (from its GGUF): what the random checkpoints of real shapes
+    use, as no other model's tokenizer can be fetched here."""
+    from transformers import AutoTokenizer
+
+    from engine import checkpoint
+    demo = checkpoint.demo_gguf_path()
+    return AutoTokenizer.from_pretrained(demo.parent, gguf_file=demo.name)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from common import machine, write_json  # noqa: E402
+from common import demo_tokenizer, machine, write_json  # noqa: E402
 from engine import checkpoint  # noqa: E402
 from engine.compile import worker  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
@@ -45,9 +45,8 @@ def build(folder: Path) -> Path:
     hf = folder / "hf"
     if (hf / "config.json").is_file():
         return hf
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    demo = checkpoint.demo_gguf_path()
-    tok = AutoTokenizer.from_pretrained(demo.parent, gguf_file=demo.name)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tok = demo_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       **SHAPE)
     torch.manual_seed(0)

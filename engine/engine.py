@@ -179,8 +179,17 @@ class Engine:
                 # why one-token steps do not run the layer kernel ("" when they do)
                 "layer_kernel": getattr(getattr(t, "impl", None), "layer_kernel_note", "not this forward"),
                 # a mixture of experts: whether its routed experts run in the kernel (models/moe.py)
-                **({"experts": note} if (note := getattr(getattr(t, "impl", None), "experts_note", "")) else {}),
+                **({"experts": note} if (note := _experts_note(self)) else {}),
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
+
+
+def _experts_note(eng) -> str:
+    """Where a mixture's routed experts run, and how many of their bytes the plan left on disk."""
+    note = getattr(getattr(eng.target, "impl", None), "experts_note", "")
+    row = eng.plan.row(eng.plan.chosen) if eng.plan and eng.plan.chosen else None
+    if note and row is not None and row.mapped_experts:
+        note += f"; {row.mapped_experts / 1e9:.2f} GB of them memory-mapped from the quantized cache on disk"
+    return note
 
 
 def _can_draft(target) -> bool:

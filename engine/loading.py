@@ -92,7 +92,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     elif prof.weights in ("int8", "int4"):
         target = load_quantized(ckpt.path, dev, prof.weights, group_size=prof.group_size, embeddings=prof.embeddings,
                                 act_dtype=None if dtype in (None, "auto") else dt, cache_dir=cache_dir,
-                                progress=progress)
+                                progress=progress, mapped_experts=plan.row(plan.chosen).mapped_experts > 0)
     else:
         target = load_resident(ckpt.path, dev, dt, fast=fast, progress=progress)
     # The profile says how deep drafting may go (a streamed pass pays for depth: 16).

@@ -298,6 +298,8 @@ class PlanRow:
     note: str = ""
     state: int = 0               # a hybrid's recurrent states (live + the turn checkpoint): fixed, not per token
     read_per_token: int = 0      # the bytes a one-token pass reads (a mixture: only its routed experts)
+    mapped_experts: int = 0      # a mixture's quantized experts left memory-mapped on disk (not in the budget)
+    disk_per_token: int = 0      # of read_per_token, what comes from disk when they are routed to
 
     @property
     def short_by(self) -> int:
@@ -414,14 +416,21 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
         weights = place.device_bytes if place.fits else place.min_budget
         if not place.fits:
             note = f"needs at least {gb(fixed + place.min_budget)}"
+    device_bw = bw.get(kind, bw["cpu"])
+    mapped = from_disk = 0
+    if fixed + weights > budget and p.placement == "resident" and p.weights in ("int8", "int4") and kind == "cpu" \
+            and shape.expert_params:
+        mapped, from_disk = _mapped_experts(shape, p, budget - fixed - weights, device_bw, bw["disk"])
+        weights -= mapped
+        if mapped:
+            note = f"{gb(mapped)} of its experts stay memory-mapped on disk, read when routed to"
     total = fixed + weights
     fits = total <= budget
     spare = budget - (total - kv)
     max_context = max(0, spare // kv_tok) if kv_tok else 0
-    device_bw = bw.get(kind, bw["cpu"])
     if p.placement == "resident":
         read = shape.read_bytes(p.weights, p.group_size)
-        seconds = read / device_bw
+        seconds = (read - from_disk) / device_bw + from_disk / bw["disk"]
     else:
         # a streamed layer is moved whole, every expert of it
         read = place.resident_bytes + place.streamed_bytes
@@ -429,7 +438,30 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
                    + place.disk_streamed_bytes / bw["disk"])
     return PlanRow(p.name, p.summary, weights, kv, draft_bytes, act, runtime, margin, total, budget, fits,
                    context, int(max_context), resident, host, disk, streamed,
-                   1.0 / seconds if seconds > 0 else 0.0, note, state, read)
+                   1.0 / seconds if seconds > 0 else 0.0, note, state, read, mapped, from_disk)
+
+
+# A mixture's experts are left on disk only while what a token reads from there keeps at
+# least this share of the speed it would have with every expert in memory.
+MAPPED_MIN_SPEED = 0.5
+
+
+def _mapped_experts(shape: ModelShape, p: Profile, short: int, device_bw: float, disk_bw: float) -> tuple[int, int]:
+    """(expert bytes left memory-mapped on disk, bytes a token reads from there) for a quantized
+    mixture on a CPU that is `short` (negative) of the budget with every expert in memory:
+    what does not fit stays in the quantized cache's files, and under uniform routing a routed
+    expert is on disk in that share. (0, 0) where even all experts on disk would not fit, or
+    the disk would cost more than MAPPED_MIN_SPEED of the speed."""
+    experts = shape.linear_bytes(p.weights, p.group_size, shape.expert_params)
+    mapped = -short
+    if mapped > experts:
+        return 0, 0
+    routed = experts * shape.expert_fraction(1)
+    from_disk = int(routed * mapped / experts)
+    read = shape.read_bytes(p.weights, p.group_size)
+    if read / device_bw < MAPPED_MIN_SPEED * ((read - from_disk) / device_bw + from_disk / disk_bw):
+        return 0, 0
+    return mapped, from_disk
 
 
 def streamed_units(shape: ModelShape) -> tuple[list[int], int, int]:
@@ -574,6 +606,11 @@ def format_plan(plan: Plan) -> str:
                          f"layers stay on the device, {r.host_layers} are held in host RAM, {r.disk_layers} are read "
                          f"from disk; each pass streams {gb(r.streamed_bytes_per_pass)} (a verify pass of k+1 "
                          "tokens streams it once).")
+    for r in plan.rows:
+        if r.mapped_experts and r.fits and r.profile not in plan.not_runnable:
+            lines.append(f"{r.profile}: {gb(r.mapped_experts)} of the experts stay memory-mapped in the quantized "
+                         f"cache on disk (the page cache keeps what RAM holds); a token reads about "
+                         f"{gb(r.disk_per_token)} of its experts from there.")
     if any(r.read_per_token < r.weights // 2 for r in plan.rows if r.profile.startswith("resident")):
         lines.append("read/tok: what one token reads; a mixture of experts reads only its routed experts "
                      "(a verify pass of n tokens, the distinct experts they route to).")

@@ -184,7 +184,7 @@ def test_doctor_shows_the_recurrent_state_as_its_own_column(hybrid):
     assert row.state == 2 * shape.state_bytes + shape.replay_bytes(draft) > 2 * shape.state_bytes > 0
     assert row.total == row.weights + row.kv + row.state + row.drafter + row.activations + row.runtime + row.margin
     head, first = planner.format_plan(plan).splitlines()[:2]
-    assert head.split()[:4] == ["profile", "weights", "KV", "state"] and planner.gb(row.state) in first
+    assert head.split()[:5] == ["profile", "weights", "read/tok", "KV", "state"] and planner.gb(row.state) in first
 
 
 def test_another_hybrid_family_lfm2_through_the_generic_path(tmp_path, tokenizer):

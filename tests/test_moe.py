@@ -172,3 +172,74 @@ def test_bytes_a_token_reads_of_the_published_mixtures():
     one, nine = a3b.read_bytes(positions=1), a3b.read_bytes(positions=9)
     experts = 40 * 256 * 3 * 2048 * 512 * 2
     assert nine - one == pytest.approx(experts * ((1 - (1 - 8 / 256) ** 9) - 8 / 256) + 8 * 2048 * 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_mixture_loads_tensor_by_tensor_to_what_from_pretrained_builds(tmp_path, tokenizer, dtype):
+    """The resident loader fills each fused experts tensor expert by expert (one copy of the
+    weights at any time): every tensor equals what transformers' own loading makes of the
+    files, for experts stored one matrix per expert (as saved) and stored fused."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.targets.module_exact import load_exact
+    path = build_model(tmp_path / "m", "qwen3_5_moe", layers=4, tokenizer=tokenizer, seed=7)
+    want = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict()
+    got = load_exact(path, AutoConfig.from_pretrained(path), torch.device("cpu"), dtype).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    # the same weights with the experts stored fused, as transformers holds them
+    fused = {k: v for k, v in load_file(path / "model.safetensors").items() if ".experts." not in k}
+    fused.update({k: v.to(torch.float32) for k, v in want.items() if k.endswith(("experts.gate_up_proj",
+                                                                                 "experts.down_proj"))})
+    save_file({k: v.contiguous() for k, v in fused.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    got = load_exact(path, AutoConfig.from_pretrained(path), torch.device("cpu"), dtype).state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_mixture_short_of_ram_plans_its_experts_memory_mapped(tmp_path, tokenizer):
+    """On a CPU, a quantized mixture that misses the budget by less than its experts keeps
+    what does not fit memory-mapped on disk: the row fits, holds that much less, and a token
+    reads its share of the routed experts from disk (uniform routing: the mapped fraction of
+    k/E of the experts). Where the disk would halve the speed, the row does not fit."""
+    from engine import hardware, planner, profiles
+    path = build_model(tmp_path / "m", "qwen3_5_moe", layers=4, tokenizer=tokenizer, seed=8)
+    shape = ModelShape.from_checkpoint(path)
+    every = profiles.builtin()
+    experts = shape.linear_bytes("int4", 32, shape.expert_params)
+    full = planner.make_plan(shape, hardware.detect(vram=10**9, device="cpu"), every, context=64,
+                             runnable=engine.runnable(every)).row("resident-int4")
+    assert full.fits and full.mapped_experts == 0
+    fast_disk = {"cpu": 20e9, "disk": 20e9}
+    # a budget with room for all but half the experts (its margin is a tenth of itself)
+    rest = full.total - full.weights - full.margin
+    short = hardware.detect(vram=int((rest + full.weights - experts // 2) / 0.9) + 1, device="cpu")
+    row = planner.make_plan(shape, short, every, context=64, runnable=engine.runnable(every),
+                            bandwidth=fast_disk).row("resident-int4")
+    # what does not fit is exactly what stays on disk (the margin is a tenth of a small budget)
+    assert row.fits and row.total == row.budget and 0 < row.mapped_experts < experts
+    assert row.weights + row.mapped_experts == full.weights
+    assert row.disk_per_token == int(experts * (2 / 4) * row.mapped_experts / experts)
+    assert "memory-mapped" in row.note
+    slow_disk = planner.make_plan(shape, short, every, context=64, runnable=engine.runnable(every),
+                                  bandwidth={"cpu": 20e9, "disk": 1e6}).row("resident-int4")
+    assert not slow_disk.fits and slow_disk.mapped_experts == 0
+
+
+def test_mapped_experts_are_read_from_the_cache_files_and_answer_the_same(tmp_path, tokenizer):
+    from engine.checkpoint import Checkpoint
+    from engine.targets.quantized import load_quantized
+    path = build_model(tmp_path / "m", "qwen3_5_moe", layers=4, tokenizer=tokenizer, seed=9)
+    answers = []
+    for mapped in (False, True, True):                 # the last from the cache the first mapped load wrote
+        cache = tmp_path / ("mapped" if mapped else "plain")
+        target = load_quantized(path, torch.device("cpu"), "int4", cache_dir=cache, mapped_experts=mapped)
+        eng = engine.Engine(Checkpoint(path, "tiny", "dir"), engine.engine._load_tokenizer(path), target)
+        eng.stop_ids = frozenset()
+        answers.append(list(list(eng.chat().send("Why is the sky blue?", max_new_tokens=16))[-1].token_ids))
+        maps = open("/proc/self/maps").read()
+        block = next(m for m in target.impl.model.modules() if type(m).__name__ == "PackedExperts")
+        q = block.gate_up[0].q
+        mapped_here = any(f"{target.quant.cache_dir}" in line and int(line.split("-")[0], 16) <= q.data_ptr()
+                          < int(line.split()[0].split("-")[1], 16) for line in maps.splitlines())
+        assert mapped_here == mapped
+    assert answers[0] == answers[1] == answers[2] and len(answers[0]) == 16

@@ -271,30 +271,39 @@ def finish(model: nn.Module, cfg, device) -> None:
     model.eval()
 
 
+def _read_layer(cache: QuantCache, name: str, manifest: dict, mapped: bool) -> dict | None:
+    """A cached layer; with `mapped`, its experts' tensors stay memory-mapped from the file
+    and everything else (what every token reads) is copied into memory."""
+    if not mapped:
+        return cache.read(name, manifest)
+    flat = cache.read_mapped(name, manifest)
+    return None if flat is None else {k: v if k.startswith("x|") else v.clone() for k, v in flat.items()}
+
+
 def load(path: Path, cfg, device: torch.device, fmt: str, group: int, act_dtype: torch.dtype,
-         cache: QuantCache, embeddings: bool, progress) -> tuple[nn.Module, bool]:
-    """The quantized model (modules filled, on the device) and whether the cache served it."""
-    model = skeleton(path, cfg)
-    layers = model.model.layers
-    n = len(layers)
+         cache: QuantCache, embeddings: bool, progress, mapped_experts: bool = False) -> tuple[nn.Module, bool]:
+    """The quantized model (modules filled, on the device) and whether the cache served it.
+    `mapped_experts` (a mixture whose experts do not all fit in RAM, on a CPU): the experts are
+    read from the cache's files on demand, through memory maps; a first load quantizes into
+    the cache without holding the result, then maps it."""
+    mapped = mapped_experts and device.type == "cpu"
     manifest = cache.manifest()
     if manifest is not None:
-        flats = []
-        for i in range(n):
-            flat = cache.read(f"layer-{i:04d}", manifest)
-            if flat is None:
-                break
-            pack_layer(layers[i], flat, device, act_dtype, fmt, group)
-            progress("load", i + 1, n + 1)
-            flats.append(flat)
-        rest = cache.read("rest", manifest) if len(flats) == n else None
-        if rest is not None:
-            pack_rest(model, rest, device, act_dtype, fmt, group)
-            progress("load", n + 1, n + 1)
-            finish(model, cfg, device)
+        model = _from_cache(path, cfg, device, fmt, group, act_dtype, cache, manifest, mapped, progress)
+        if model is not None:
             return model, True
-        model = skeleton(path, cfg)               # a truncated or corrupt cache: rebuild it whole
-        layers = model.model.layers
+    model = skeleton(path, cfg)                # none yet, or a truncated or corrupt one: made anew
+    if mapped:
+        _quantize_into(cache, model, path, fmt, group, act_dtype, embeddings, progress)
+        manifest = cache.manifest()
+        model = _from_cache(path, cfg, device, fmt, group, act_dtype, cache, manifest, True, progress) \
+            if manifest is not None else None
+        if model is None:
+            raise CheckpointError(f"{cache.dir}: the quantized weights just written cannot be read back; "
+                                  "check the disk (LOCALCHAT_CACHE_DIR moves the cache)")
+        return model, False
+    layers = model.model.layers
+    n = len(layers)
     src = ModuleSource(path)
     writer = cache.writer()
     try:
@@ -315,3 +324,41 @@ def load(path: Path, cfg, device: torch.device, fmt: str, group: int, act_dtype:
         raise
     return model, False
 
+
+def _from_cache(path: Path, cfg, device, fmt: str, group: int, act_dtype, cache: QuantCache, manifest: dict,
+                mapped: bool, progress) -> nn.Module | None:
+    """The model packed from the cache; None where a file is missing, truncated or corrupt."""
+    model = skeleton(path, cfg)
+    layers = model.model.layers
+    n = len(layers)
+    for i in range(n):
+        flat = _read_layer(cache, f"layer-{i:04d}", manifest, mapped)
+        if flat is None:
+            return None
+        pack_layer(layers[i], flat, device, act_dtype, fmt, group)
+        progress("load", i + 1, n + 1)
+    rest = cache.read("rest", manifest)
+    if rest is None:
+        return None
+    pack_rest(model, rest, device, act_dtype, fmt, group)
+    progress("load", n + 1, n + 1)
+    finish(model, cfg, device)
+    return model
+
+
+def _quantize_into(cache: QuantCache, model: nn.Module, path: Path, fmt: str, group: int, act_dtype,
+                   embeddings: bool, progress) -> None:
+    """Quantize the checkpoint into the cache, one layer in memory at a time, packing nothing."""
+    src = ModuleSource(path)
+    layers = model.model.layers
+    n = len(layers)
+    writer = cache.writer()
+    try:
+        for i in range(n):
+            writer.write(f"layer-{i:04d}", quantize_layer(layers[i], f"model.layers.{i}.", src, fmt, group, act_dtype))
+            progress("quantize", i + 1, n + 1)
+        writer.write("rest", quantize_rest(model, src, fmt, group, act_dtype, embeddings))
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise

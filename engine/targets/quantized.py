@@ -113,13 +113,14 @@ class QuantizedTarget(ResidentTarget):
 
 def load_quantized(path: Path, device: torch.device, weights: str, group_size: int = 32,
                    act_dtype: torch.dtype | None = None, cache_dir: Path | None = None, progress=None,
-                   embeddings: bool = False) -> QuantizedTarget:
+                   embeddings: bool = False, mapped_experts: bool = False) -> QuantizedTarget:
     """Quantize the checkpoint at `path` (or load its cached quantized copy) onto `device`.
 
     weights: int8 (per output channel) | int4 (group-wise, `group_size` along the input).
     act_dtype: default bfloat16 where the device has native bf16, else float32 (CPU) or
     float16 (GPU). embeddings: quantize embeddings and head too (default: keep them in
-    act_dtype). progress(what, done, total) is called per layer."""
+    act_dtype). progress(what, done, total) is called per layer. mapped_experts: a mixture's
+    experts stay memory-mapped from the cache's files (module_quant.load)."""
     t0 = time.perf_counter()
     path = Path(path)
     if weights not in FORMATS:
@@ -140,7 +141,7 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
         # Not a model the Llama-family forward runs (a hybrid, another architecture):
         # transformers' modules over packed weights (module_quant.py).
         model, hit = module_quant.load(path, cfg, device, weights, group_size, act_dtype, cache, embeddings,
-                                       progress)
+                                       progress, mapped_experts)
         info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels)
         target = QuantizedTarget.over_modules(model, device, act_dtype, info)
     else:

@@ -122,6 +122,11 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
         model_type = json.loads((path / "config.json").read_text()).get("model_type", "?")
         raise UnsupportedModel(f"{path}: architecture {model_type!r} is not supported by this "
                                f"transformers version ({exc.__class__.__name__}); pick another model") from None
+    if getattr(config.get_text_config(), "num_experts", None):
+        # a mixture: its experts fused while they are read, one copy of the weights at any time
+        from .module_exact import load_exact
+        model = load_exact(path, config, device, dtype)
+        return _target(model, path, device, dtype, fast)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -143,6 +148,10 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
         what = f"tensor {missing[0]} is missing" if missing else f"tensor {info['mismatched_keys'][0]} has the wrong shape"
         raise CheckpointError(f"{path}: {what} in the weight files; re-download the model")
     model.to(device).eval()
+    return _target(model, path, device, dtype, fast)
+
+
+def _target(model, path: Path, device: torch.device, dtype: torch.dtype, fast: bool) -> ResidentTarget:
     target = ResidentTarget(model, device, dtype, fast=fast)
     # How to load this target again (a compile builds its package in a child process: engine/compile/builder.py).
     target.recipe = {"loader": "resident", "path": str(path), "device": str(device),
