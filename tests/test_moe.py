@@ -44,7 +44,8 @@ def test_kernel_computes_the_experts_module_and_every_row_alone(dtype):
     idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(T)])
     idx[3] = torch.tensor([7, 0])                      # an order other than ascending
     w = torch.rand(T, 2, generator=g).to(dtype)
-    kernel = moe_kernel.Experts(dtype, 8, 128, 64, dense=(module.gate_up_proj.data, module.down_proj.data))
+    kernel = moe_kernel.Experts(dtype, 8, 128, 64)
+    dense = (module.gate_up_proj.data, module.down_proj.data)
     with torch.no_grad():
         want = module(x, idx, w).float()
     threads = torch.get_num_threads()
@@ -52,9 +53,9 @@ def test_kernel_computes_the_experts_module_and_every_row_alone(dtype):
         runs = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            runs.append(kernel(x, idx, w))
+            runs.append(kernel(x, idx, w, dense=dense))
             # each row computed as a lone row is the same bits as in the pass of T rows
-            alone = torch.cat([kernel(x[i:i + 1], idx[i:i + 1], w[i:i + 1]) for i in range(T)])
+            alone = torch.cat([kernel(x[i:i + 1], idx[i:i + 1], w[i:i + 1], dense=dense) for i in range(T)])
             assert torch.equal(alone, runs[-1]), n
     finally:
         torch.set_num_threads(threads)

@@ -47,23 +47,23 @@ def why_not(dtype: torch.dtype) -> str:
 
 class Experts:
     """The forward of one experts module (hidden_states [T, hid], top_k_index [T, k],
-    top_k_weights [T, k]) -> [T, hid], over its expert matrices: `dense` 3-D tensors
-    ([E, 2I, hid] and [E, hid, I]: read through their current data pointers on every call,
-    so a streamed slot's rebinding is followed), or per-expert int4 weights (qweights.Int4Weight
-    in canonical form)."""
+    top_k_weights [T, k]) -> [T, hid], over its expert matrices: dense 3-D tensors ([E, 2I,
+    hid] and [E, hid, I]) given with each call (their current data pointers: a streamed
+    slot's rebinding is followed), or per-expert int4 weights fixed at construction
+    (qweights.Int4Weight in canonical form)."""
 
     def __init__(self, dtype: torch.dtype, num_experts: int, hidden: int, inter: int,
-                 dense: tuple | None = None, int4: tuple[list, list] | None = None):
+                 int4: tuple[list, list] | None = None):
         self.dtype, self.E, self.hid, self.I = dtype, num_experts, hidden, inter
-        self.dense, self.int4 = dense, int4
         self._run, self._size = _fns[dtype]
         self._mine = threading.local()          # scratch per thread (a race's copy runs on another)
+        self._int4 = None
         if int4 is not None:
-            self._gu = (layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, int4[0]))
-            self._down = (layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, int4[1]))
+            self._int4 = ((layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, int4[0])),
+                          (layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, int4[1])))
 
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 dense: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = hidden_states.contiguous()
         T, k = top_k_index.shape
         idx = top_k_index.to(torch.int64).contiguous()
@@ -74,16 +74,14 @@ class Experts:
         scratch = getattr(self._mine, "scratch", None)
         if scratch is None or scratch.numel() < need:
             scratch = self._mine.scratch = torch.empty(need, dtype=torch.uint8)
-        if self.dense is not None:
-            gu_w, down_w = self.dense
-            gu = layer_kernel._Mat(gu_w.data_ptr(), None, None, 0)
-            down = layer_kernel._Mat(down_w.data_ptr(), None, None, 0)
-            size = gu_w.element_size()
-            self._run(ctypes.addressof(gu), gu_w.stride(0) * size, ctypes.addressof(down), down_w.stride(0) * size,
-                      self.E, self.hid, self.I, x.data_ptr(), T, idx.data_ptr(), wts.data_ptr(), k,
-                      out.data_ptr(), scratch.data_ptr(), threads)
+        if dense is not None:
+            # one description a matrix, moved by the expert stride (moe_body.h)
+            gu_w, down_w = dense
+            gu, down = (layer_kernel._Mat(t.data_ptr(), None, None, 0) for t in dense)
+            steps = (gu_w.stride(0) * gu_w.element_size(), down_w.stride(0) * down_w.element_size())
         else:
-            self._run(ctypes.addressof(self._gu), 0, ctypes.addressof(self._down), 0,
-                      self.E, self.hid, self.I, x.data_ptr(), T, idx.data_ptr(), wts.data_ptr(), k,
-                      out.data_ptr(), scratch.data_ptr(), threads)
+            gu, down = self._int4
+            steps = (0, 0)
+        self._run(ctypes.addressof(gu), steps[0], ctypes.addressof(down), steps[1], self.E, self.hid, self.I,
+                  x.data_ptr(), T, idx.data_ptr(), wts.data_ptr(), k, out.data_ptr(), scratch.data_ptr(), threads)
         return out

@@ -62,19 +62,18 @@ def _router_forward(gate: nn.Module, normalize: bool, fwd):
     return forward
 
 
-def _experts_forward(m: nn.Module, kernel: moe_kernel.Experts, dtype: torch.dtype):
+def _experts_forward(m: nn.Module, kernel: moe_kernel.Experts, dtype: torch.dtype, dense: bool):
     plain = m.forward
 
     def forward(hidden_states, top_k_index, top_k_weights):
-        if kernel.dense is not None:
-            gu, down = m.gate_up_proj, m.down_proj
-            if not (gu.dtype == down.dtype == hidden_states.dtype == dtype and gu.is_cpu
-                    and gu.is_contiguous() and down.is_contiguous()):
-                return plain(hidden_states, top_k_index, top_k_weights)
-            kernel.dense = (gu, down)            # a streamed slot's current binding
-        elif hidden_states.dtype != dtype:
+        if hidden_states.dtype != dtype:
             return plain(hidden_states, top_k_index, top_k_weights)
-        return kernel(hidden_states, top_k_index, top_k_weights)
+        if not dense:
+            return kernel(hidden_states, top_k_index, top_k_weights)
+        gu, down = m.gate_up_proj, m.down_proj        # a streamed slot's current binding
+        if not (gu.dtype == down.dtype == dtype and gu.is_cpu and gu.is_contiguous() and down.is_contiguous()):
+            return plain(hidden_states, top_k_index, top_k_weights)
+        return kernel(hidden_states, top_k_index, top_k_weights, dense=(gu, down))
     return forward
 
 
@@ -88,26 +87,26 @@ def install(model: nn.Module, fwd, dtype: torch.dtype) -> str:
     why = moe_kernel.why_not(dtype)
     if not why and getattr(cfg, "hidden_act", "silu") != "silu":
         why = f"activation {cfg.hidden_act!r}"
-    ran = 0
+    if why:
+        return f"the {len(found)} sparse blocks run transformers' experts loop ({why})"
+    skipped = []
     for gate, experts in found:
         normalize = _normalizes(gate)
-        if why or normalize is None:
-            continue
+        dense = _dense_experts(experts)
         E, hid = gate.weight.shape
-        if _dense_experts(experts):
-            inter = experts.down_proj.shape[-1]
-            kernel = moe_kernel.Experts(dtype, E, hid, inter, dense=(experts.gate_up_proj, experts.down_proj))
+        if normalize is None:
+            skipped.append(f"a router of {type(gate).__name__}")
+            continue
+        if dense:
+            kernel = moe_kernel.Experts(dtype, E, hid, experts.down_proj.shape[-1])
         else:
             gu, down = experts.gate_up, experts.down
-            if not all(getattr(w, "canonical", False) for w in gu + down) or dtype != torch.bfloat16 \
-                    or len(gu) != E:
-                why = why or "int8 experts (no int8 kernel yet)"
+            if dtype != torch.bfloat16 or len(gu) != E or not all(getattr(w, "canonical", False) for w in gu + down):
+                skipped.append("int8 experts (no int8 kernel yet)")
                 continue
-            inter = down[0].shape[1]
-            kernel = moe_kernel.Experts(dtype, E, hid, inter, int4=(gu, down))
+            kernel = moe_kernel.Experts(dtype, E, hid, down[0].shape[1], int4=(gu, down))
         gate.forward = _router_forward(gate, normalize, fwd)
-        experts.forward = _experts_forward(experts, kernel, dtype)
-        ran += 1
-    if ran == len(found):
-        return f"the experts of {ran} sparse blocks run in one C call a pass, each hit expert read once"
-    return f"{len(found) - ran} of {len(found)} sparse blocks run transformers' experts loop ({why or 'unknown router'})"
+        experts.forward = _experts_forward(experts, kernel, dtype, dense)
+    if not skipped:
+        return f"the experts of {len(found)} sparse blocks run in one C call a pass, each hit expert read once"
+    return f"{len(skipped)} of {len(found)} sparse blocks run transformers' experts loop ({skipped[0]})"

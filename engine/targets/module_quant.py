@@ -11,9 +11,9 @@ arithmetic for every part that is not a weight (the conv window, the delta rule,
 gated norms, the router). What stays exact: the conv, the recurrent state and every norm,
 in the dtypes the model computes them in.
 
-Loading streams as the Llama path does: the model is built on `meta`, then one decoder
-layer at a time is read from the safetensors files, quantized, written to the disk cache
-and packed, so peak host memory is one layer on top of the quantized result."""
+A first load streams: one decoder layer at a time is read from the safetensors files,
+quantized and written to the disk cache, so peak host memory is one layer; then the model,
+built on `meta`, is packed from the cache as every later load packs it."""
 from __future__ import annotations
 
 import warnings
@@ -283,45 +283,23 @@ def _read_layer(cache: QuantCache, name: str, manifest: dict, mapped: bool) -> d
 def load(path: Path, cfg, device: torch.device, fmt: str, group: int, act_dtype: torch.dtype,
          cache: QuantCache, embeddings: bool, progress, mapped_experts: bool = False) -> tuple[nn.Module, bool]:
     """The quantized model (modules filled, on the device) and whether the cache served it.
-    `mapped_experts` (a mixture whose experts do not all fit in RAM, on a CPU): the experts are
-    read from the cache's files on demand, through memory maps; a first load quantizes into
-    the cache without holding the result, then maps it."""
+    A first load quantizes into the cache, one layer in memory at a time, then packs the model
+    from what it wrote (checked as any later load checks it). `mapped_experts` (a mixture whose
+    experts do not all fit in RAM, on a CPU): the experts' tensors stay memory-mapped from the
+    cache's files, read on demand."""
     mapped = mapped_experts and device.type == "cpu"
     manifest = cache.manifest()
-    if manifest is not None:
-        model = _from_cache(path, cfg, device, fmt, group, act_dtype, cache, manifest, mapped, progress)
-        if model is not None:
-            return model, True
-    model = skeleton(path, cfg)                # none yet, or a truncated or corrupt one: made anew
-    if mapped:
-        _quantize_into(cache, model, path, fmt, group, act_dtype, embeddings, progress)
-        manifest = cache.manifest()
-        model = _from_cache(path, cfg, device, fmt, group, act_dtype, cache, manifest, True, progress) \
-            if manifest is not None else None
-        if model is None:
-            raise CheckpointError(f"{cache.dir}: the quantized weights just written cannot be read back; "
-                                  "check the disk (LOCALCHAT_CACHE_DIR moves the cache)")
-        return model, False
-    layers = model.model.layers
-    n = len(layers)
-    src = ModuleSource(path)
-    writer = cache.writer()
-    try:
-        for i in range(n):
-            flat = quantize_layer(layers[i], f"model.layers.{i}.", src, fmt, group, act_dtype)
-            writer.write(f"layer-{i:04d}", flat)
-            pack_layer(layers[i], flat, device, act_dtype, fmt, group)
-            del flat
-            progress("quantize", i + 1, n + 1)
-        rest = quantize_rest(model, src, fmt, group, act_dtype, embeddings)
-        writer.write("rest", rest)
-        pack_rest(model, rest, device, act_dtype, fmt, group)
-        progress("quantize", n + 1, n + 1)
-        finish(model, cfg, device)
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+    model = _from_cache(path, cfg, device, fmt, group, act_dtype, cache, manifest, mapped, progress) \
+        if manifest is not None else None
+    if model is not None:
+        return model, True
+    _quantize_into(cache, skeleton(path, cfg), path, fmt, group, act_dtype, embeddings, progress)
+    manifest = cache.manifest()
+    model = _from_cache(path, cfg, device, fmt, group, act_dtype, cache, manifest, mapped, progress) \
+        if manifest is not None else None
+    if model is None:
+        raise CheckpointError(f"{cache.dir}: the quantized weights just written cannot be read back; "
+                              "check the disk (LOCALCHAT_CACHE_DIR moves the cache)")
     return model, False
 
 
@@ -348,7 +326,7 @@ def _from_cache(path: Path, cfg, device, fmt: str, group: int, act_dtype, cache:
 
 def _quantize_into(cache: QuantCache, model: nn.Module, path: Path, fmt: str, group: int, act_dtype,
                    embeddings: bool, progress) -> None:
-    """Quantize the checkpoint into the cache, one layer in memory at a time, packing nothing."""
+    """Quantize the checkpoint into the cache, one layer in memory at a time."""
     src = ModuleSource(path)
     layers = model.model.layers
     n = len(layers)
