@@ -113,6 +113,21 @@ def ggufs(hf: Path, folder: Path) -> dict[str, Path]:
     return {"BF16": bf16, "Q4_1": q4}
 
 
+def no_extra_buffers() -> None:
+    """llama.cpp without its extra weight buffers (AMX tiles, repacking): on a Xeon with AMX,
+    llama-cpp-python 0.3.36 built here dies of a general protection fault in libggml-cpu on
+    this model's Q4_1 GGUF with them (its BF16 runs either way)."""
+    import llama_cpp
+    import llama_cpp.llama as module
+    plain = llama_cpp.llama_model_default_params
+
+    def params():
+        p = plain()
+        p.use_extra_bufts = False
+        return p
+    module.llama_cpp.llama_model_default_params = params
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -121,6 +136,10 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(ROWS))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "moe_shape.json"))
     args = ap.parse_args()
+    from engine import hardware
+    amx = "amx_tile" in hardware.cpu_flags()
+    if amx:
+        no_extra_buffers()
     from llama_cpp import Llama, __version__ as llama_version
     cache = checkpoint.default_cache_dir()
     folder = cache / f"moe-shape-{args.layers}"
@@ -162,7 +181,8 @@ def main() -> None:
         "benchmark": "moe_shape", "model": f"Qwen3.5-35B-A3B layer shape, {args.layers} of 40 layers, random bf16, "
                                            "demo tokenizer", "shape": SHAPE, "layers": args.layers,
         "params": shape.params, "prompt": PROMPT, "max_new_tokens": args.tokens, "rounds": args.rounds,
-        "threads": threads, "llama_cpp_python": llama_version, "bandwidth_gbps": rates, "machine": machine(),
+        "threads": threads, "llama_cpp_python": llama_version,
+        "llama_cpp_extra_buffers": not amx, "bandwidth_gbps": rates, "machine": machine(),
         "rows": out_rows, "samples": samples_all, "config": json.loads((hf / "config.json").read_text())})
     print("wrote", args.out)
 

@@ -15,23 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define Q4_MB 4             /* x rows per pass over a weight row (it stays in L1 between passes) */
 #define Q4_PREFETCH 2048
-
-static inline float q4_from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t q4_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* One block of 64 codes (32 bytes) as two vectors of bf16 values 128 + q (exact: 0x4300 is
  * 128 and the low 7 mantissa bits count up from it): *lo the low nibbles (even k), *hi the
@@ -56,7 +43,7 @@ static inline __m512 q4_scales(const uint16_t *sr, int g, int group) {
         return _mm512_castsi512_ps(_mm512_mask_blend_epi32((__mmask16)0xff00, _mm512_slli_epi32(v, 16),
                                                            _mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))));
     }
-    return _mm512_set1_ps(q4_from_bf16(sr[g]));
+    return _mm512_set1_ps(from_bf16(sr[g]));
 }
 
 /* bf16 values [0, n) of p (n <= 16) as float32 lanes */
@@ -108,8 +95,8 @@ static inline __attribute__((always_inline)) void q4_rows(
             cv = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(km, xm + g0), cv);
         }
         float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m])) + _mm512_reduce_add_ps(cv);
-        if (bias) v += q4_from_bf16(bias[n]);
-        y[(int64_t)(m0 + m) * ldy + n] = q4_to_bf16(v);
+        if (bias) v += from_bf16(bias[n]);
+        y[(int64_t)(m0 + m) * ldy + n] = to_bf16(v);
     }
 }
 

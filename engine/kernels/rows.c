@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define NB 4      /* output columns per block: 4 weight streams in flight */
 #define MB 6      /* rows per tile: MB*NB accumulators + NB weights + 1 input fit 32 registers */
 /* Prefetch distance, 4 KB ahead. The four weight rows of a block are four streams, each
@@ -34,21 +36,6 @@
  * interleaved in one run). */
 #define PREFETCH_BYTES 4096
 #define STREAM_ROWS 2     /* more rows in this order were 2x slower than the tiles, measured */
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* One kernel per element type T: LANES inputs per step, LOAD(ptr, mask) a masked vector,
  * DOT(acc, x, w) the multiply-accumulate, STORE/BIAS the conversions at the end. */

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..cache import KVCache
 from ..kernels import row_kernel
-from . import moe, replay, rows
+from . import delta_net, moe, replay, rows
 from .llama_family import ALIGN_BYTES, aligned
 
 
@@ -154,6 +154,9 @@ class HFForward(rows.KernelPasses):
                     p.data = aligned(p.data)
         # Sparse blocks (a mixture of experts) through the experts kernel (models/moe.py)
         self.experts_note = moe.install(model, self, cache.dtype) if cache.device.type == "cpu" else ""
+        # Gated delta-net layers' per-token conv and recurrence in C, while our passes run
+        self.delta_net, self.delta_net_note = (delta_net.install(model) if cache.device.type == "cpu"
+                                               else (delta_net.Scope({}), ""))
 
     def weight_tensors(self) -> list[torch.Tensor]:
         seen, out = set(), []
@@ -167,6 +170,7 @@ class HFForward(rows.KernelPasses):
         T = ids.shape[-1]
         self._begin_pass(T, all_logits)
         position_ids = torch.arange(pos, pos + T, device=ids.device).unsqueeze(0)
-        out = self.model(input_ids=ids.view(1, T), position_ids=position_ids, cache=self.hf_cache,
-                         use_cache=True, logits_to_keep=0 if all_logits else 1)
+        with self.delta_net:
+            out = self.model(input_ids=ids.view(1, T), position_ids=position_ids, cache=self.hf_cache,
+                             use_cache=True, logits_to_keep=0 if all_logits else 1)
         return out.logits[0].float()

@@ -5,9 +5,9 @@ While the target verifies k drafts it does not know how many it will accept. A v
 pass (k+1 tokens after the committed ones) here leaves the committed conv window and
 recurrent state of each recurrent layer untouched: the layer's projections run over the
 k+1 rows at once, its conv and its recurrence step token by token from the committed state
-into working copies, with the very functions a one-token step uses (transformers'
-`causal_conv1d_update`, `torch_recurrent_gated_delta_rule`, which over j tokens is bitwise
-j one-token calls), and each position's inputs to the recurrence (q, k, v after the conv,
+into working copies, with the very functions a one-token step uses (kernels/gdn.c's where they run, else
+transformers' `causal_conv1d_update` and `torch_recurrent_gated_delta_rule`; either over j
+tokens is bitwise j one-token calls), and each position's inputs to the recurrence (q, k, v after the conv,
 the decay g and the rate beta) and its raw pre-conv columns go into a preallocated replay
 buffer of max_draft+1 positions per layer.
 
@@ -30,7 +30,11 @@ from torch import nn
 
 
 def _fns(mod: nn.Module):
-    """The conv and recurrence functions the module's own forward calls (its module's globals)."""
+    """The conv and recurrence functions the module's own forward calls: gdn.c's where
+    delta_net.install gave the layer them, else its modeling module's."""
+    mine = getattr(mod, "_localchat_fns", None)
+    if mine is not None:
+        return mine
     m = sys.modules[type(mod).__module__]
     return m.causal_conv1d_update, getattr(m, "torch_recurrent_gated_delta_rule", None)
 

@@ -149,8 +149,9 @@ class StreamedModulesForward(hf_forward.HFForward):
         position_ids = torch.arange(pos, pos + T, device=ids.device).unsqueeze(0)
         embeds = self.t.embed_rows(ids.view(T)).view(1, T, -1)
         try:
-            out = self.model.model(inputs_embeds=embeds, position_ids=position_ids, cache=self.hf_cache,
-                                   use_cache=True)
+            with self.delta_net:
+                out = self.model.model(inputs_embeds=embeds, position_ids=position_ids, cache=self.hf_cache,
+                                       use_cache=True)
         finally:
             if self._slot is not None:       # a layer raised mid-pass: the slot goes back to the ring
                 self._give(None, None, None)

@@ -1,0 +1,74 @@
+"""Gated delta-net layers (Qwen3.5, Qwen3-Next) with their per-token conv and recurrence in
+C (kernels/gdn_kernel.py).
+
+A layer's forward calls the conv update and the recurrence by their names in its modeling
+module, so the C versions take those names while one of our passes runs, and only then: a
+model of the same class outside the engine (a test's reference) keeps transformers'
+functions. The swap counts the passes in flight (an engine's worker thread and another's)
+and puts the names back when the last one ends. The replay of accepted updates reads the
+same functions from the layer (replay._fns), so a one-token step, a verify pass and a
+replay run the same code."""
+from __future__ import annotations
+
+import sys
+import threading
+
+from torch import nn
+
+from ..kernels import gdn_kernel
+
+CONV, RULE = "causal_conv1d_update", "torch_recurrent_gated_delta_rule"
+_lock = threading.Lock()
+_active: dict[str, int] = {}          # modeling module -> passes in flight
+_saved: dict[str, tuple] = {}         # modeling module -> transformers' own functions
+
+
+class Scope:
+    """A context manager: while it is entered, the modeling modules it names call gdn.c."""
+
+    def __init__(self, modules: dict[str, tuple]):
+        self.modules = modules            # name -> (conv, rule) replacements
+
+    def __bool__(self) -> bool:
+        return bool(self.modules)
+
+    def __enter__(self):
+        with _lock:
+            for name, (conv, rule) in self.modules.items():
+                if not _active.get(name):
+                    mod = sys.modules[name]
+                    setattr(mod, CONV, conv)
+                    setattr(mod, RULE, rule)
+                _active[name] = _active.get(name, 0) + 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _lock:
+            for name in self.modules:
+                _active[name] -= 1
+                if not _active[name]:
+                    mod = sys.modules[name]
+                    setattr(mod, CONV, _saved[name][0])
+                    setattr(mod, RULE, _saved[name][1])
+
+
+def install(model: nn.Module) -> tuple[Scope, str]:
+    """The scope to run `model`'s passes in, and a note for describe() ('' without delta-net layers)."""
+    layers = [m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "conv1d")]
+    names = {type(m).__module__ for m in layers}
+    usable = {n for n in names if hasattr(sys.modules[n], CONV) and hasattr(sys.modules[n], RULE)}
+    if not layers:
+        return Scope({}), ""
+    why = gdn_kernel.why_not() or ("" if usable == names else "a layer of a kind gdn.c does not know")
+    if why:
+        return Scope({}), f"the {len(layers)} gated delta-net layers step in transformers' torch code ({why})"
+    modules = {}
+    with _lock:
+        for n in usable:
+            mod = sys.modules[n]
+            if n not in _saved:
+                _saved[n] = (getattr(mod, CONV), getattr(mod, RULE))
+            modules[n] = (gdn_kernel.conv_update(_saved[n][0]), gdn_kernel.delta_rule(_saved[n][1]))
+    for m in layers:
+        m._localchat_fns = modules[type(m).__module__]
+    return Scope(modules), f"the {len(layers)} gated delta-net layers step their conv and recurrence in C"
