@@ -181,7 +181,8 @@ class Engine:
                 # a mixture of experts: whether its routed experts run in the kernel (models/moe.py)
                 **({"experts": note} if (note := _experts_note(self)) else {}),
                 # a hybrid: whether its gated delta-net layers step in C (models/delta_net.py)
-                **({"delta_net": note} if (note := getattr(getattr(t, "impl", None), "delta_net_note", "")) else {}),
+                **({"delta_net": note} if (note := getattr(getattr(t, "impl", None), "delta_net_note", ""))
+                   else {}),
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
 
 

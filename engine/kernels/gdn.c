@@ -109,5 +109,3 @@ void gdn_rule(const void *q, const void *k, const void *v, int bf16, const float
         if (T == 0) memcpy(S, src, (size_t)Dk * Dv * sizeof(float));
     }
 }
-
-int gdn_version(void) { return 1; }

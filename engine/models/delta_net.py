@@ -29,9 +29,6 @@ class Scope:
     def __init__(self, modules: dict[str, tuple]):
         self.modules = modules            # name -> (conv, rule) replacements
 
-    def __bool__(self) -> bool:
-        return bool(self.modules)
-
     def __enter__(self):
         with _lock:
             for name, (conv, rule) in self.modules.items():

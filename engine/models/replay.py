@@ -5,11 +5,11 @@ While the target verifies k drafts it does not know how many it will accept. A v
 pass (k+1 tokens after the committed ones) here leaves the committed conv window and
 recurrent state of each recurrent layer untouched: the layer's projections run over the
 k+1 rows at once, its conv and its recurrence step token by token from the committed state
-into working copies, with the very functions a one-token step uses (kernels/gdn.c's where they run, else
-transformers' `causal_conv1d_update` and `torch_recurrent_gated_delta_rule`; either over j
-tokens is bitwise j one-token calls), and each position's inputs to the recurrence (q, k, v after the conv,
-the decay g and the rate beta) and its raw pre-conv columns go into a preallocated replay
-buffer of max_draft+1 positions per layer.
+into working copies, with the very functions a one-token step uses (kernels/gdn.c's where
+they run, else transformers' `causal_conv1d_update` and `torch_recurrent_gated_delta_rule`;
+either over j tokens is bitwise j one-token calls), and each position's inputs to the
+recurrence (q, k, v after the conv, the decay g and the rate beta) and its raw pre-conv
+columns go into a preallocated replay buffer of max_draft+1 positions per layer.
 
 When the engine settles how many positions were accepted (m), each layer advances its
 committed state by exactly those m updates, replayed from the buffer through the same
