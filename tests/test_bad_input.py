@@ -3,7 +3,7 @@
 Every case asserts the same contract: the exit code (2 for bad usage or input, 1 for a
 failure while answering, 0 where the program warns and carries on), one line on stderr
 that names the file or flag at fault, the word Traceback nowhere, and nothing lost (the
-history database unchanged, or the prompt saved). README: "Bad input" cites the count.
+history database unchanged, or the prompt saved). docs/exactness.md (Reliability) cites the count.
 """
 from __future__ import annotations
 
