@@ -2,8 +2,8 @@
 
 A decode step at batch 1 reads every weight once, so its speed is bounded by the bytes
 read over the memory's read rate. The planner used a fixed 20 GB/s for a CPU; this VM
-measures 32 to 59 GB/s, so the doctor printed "tok/s ≤ 37.2" for a model the compiled
-step decodes at 59-67 tok/s. Here the rate is measured instead: a torch `sum` over a
+measures 20 to 80 GB/s, so a fixed figure predicts a bound the kernels beat. Here the
+rate is measured instead: a torch `sum` over a
 tensor far larger than the caches, on the threads torch uses (what a decode step's
 GEMVs see), median of a few runs. About half a second, once per machine: the figure is
 kept in the cache folder under a key naming the CPU, the thread count and torch, and

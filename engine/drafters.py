@@ -67,10 +67,9 @@ class ModelDrafter:
     kind = "model"
     catch_up_seconds = 0.0              # of the last proposal: see propose
 
-    def __init__(self, target, name: str, target_vocab: int, path=None):
+    def __init__(self, target, name: str, target_vocab: int):
         self.target = target            # a ResidentTarget of the drafter model
         self.name = name
-        self.path = path                # its checkpoint (what a compiled step's cache key names)
         self.vocab = target_vocab
         self.ids: list[int] = []        # what the drafter's cache holds
 

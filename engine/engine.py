@@ -1,6 +1,6 @@
-"""The Engine: one loaded model (a target and a tokenizer), who drafts for it, the pass
-costs every chat measures, and the background-compiled step. `loading.open()` makes one
-from a plan; `Engine.chat()` starts a conversation (session.py)."""
+"""The Engine: one loaded model (a target and a tokenizer), who drafts for it, and the pass
+costs every chat measures. `loading.open()` makes one from a plan; `Engine.chat()` starts
+a conversation (session.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,15 +9,13 @@ import torch
 
 from . import checkpoint as _checkpoint
 from . import hardware, planner
-from .compile import exported, package_dirs
-from .compile import step as compiled
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
 from .cache import RecurrentCache
 from .errors import BadRequest, CheckpointError
 from .session import Chat
 from .speculative import DraftController, PassCosts
 from .targets.quantized import load_quantized
-from .targets.resident import ResidentTarget, checkpoint_dtype, load_resident
+from .targets.resident import checkpoint_dtype, load_resident
 
 DRAFTERS = ("auto", "ngram", "model", "none")
 DRAFTER_WEIGHTS = ("auto", "exact", "int8", "int4")
@@ -45,9 +43,7 @@ class Engine:
             target.cache.replay_capacity = max_draft + 1
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
         self.costs = PassCosts()               # measured by every chat, shared by all
-        self.compile_note = ""
         self.drafter_note = ""                 # why the drafter is not the one asked for
-        self._compile_args: tuple[Path, bool] | None = None    # (cache root, build) once compiling is on
 
     def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
                     cache_dir: Path | None = None, fast: bool = True, weights: str = "auto") -> None:
@@ -93,60 +89,8 @@ class Engine:
                 # A hybrid drafter records its own steps (replayed on its cache as the
                 # target's are): up to max_draft of them and the two a round starts with.
                 dtarget.cache.replay_capacity = self.max_draft + 2
-            self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size, dckpt.path)
+            self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size)
         self.costs.new_drafter()
-        step = getattr(self.target, "compiled", None)
-        if step is not None:
-            # Compiling is on: the new drafter's step, and the verify buckets it fills.
-            step.want_rows(self._verify_rows())
-            self._compile_drafter(*self._compile_args)
-
-    def start_compile(self, cache_dir: Path | None = None, build: bool = True, late: bool = False) -> bool:
-        """Compile the decode step of the target, then of a model drafter, in the
-        background (engine/compile/step.py). Resident targets with the fast forward can, exact
-        or quantized; streamed targets decode eagerly (`compile_note` says why).
-        build=False only loads steps an earlier start left in the cache; late=True loads them
-        once the first answer's first token is out (engine/compile/worker.py)."""
-        t = self.target
-        if not _compilable(t):
-            self.compile_note = (f"the {_weights_label(t)} target runs transformers' own layers (a hybrid or another "
-                                 "architecture) and decodes eagerly: the compiled step traces the Llama-family forward"
-                                 if t.kind == "transformers" else
-                                 f"the {_weights_label(t)} target decodes eagerly: its int4 weights are in the form "
-                                 "localchat's own int4 kernel reads, which a compiled step cannot call"
-                                 if _own_int4(t) else
-                                 f"the {_weights_label(t)} {t.kind} target decodes eagerly")
-            return False
-        root = cache_dir or _checkpoint.default_cache_dir()
-        self._compile_args = (root, build, late)
-        if t.compiled is None:
-            short, rows = _no_room_to_compile(t), self._verify_rows()
-            if short:
-                # Verify passes run on the forward's own weights: they need no room.
-                self.compile_note = f"the target decodes eagerly: {short}"
-                if not rows:
-                    return False
-            t.compiled = _compiled_step(t, self.name, self.dtype, self.checkpoint.path, root, self.device,
-                                        build=build, rows=rows, step=not short, late=late)
-            t.compiled.start()
-        self._compile_drafter(root, build, late)
-        return True
-
-    def _verify_rows(self) -> tuple[int, ...]:
-        """The verify-pass buckets worth compiling for this drafter: those a draft of up
-        to max_draft tokens fills (a wider bucket would mostly verify padding)."""
-        if self.drafter.kind == "none":
-            return ()
-        widest = (self.draft_tokens if self.draft_tokens is not None else self.max_draft) + 1
-        return tuple(r for r in exported.VERIFY_ROWS if r <= widest)
-
-    def _compile_drafter(self, root: Path, build: bool, late: bool = False) -> None:
-        d = self.drafter
-        if d.kind == "model" and _compilable(d.target) and d.target.compiled is None \
-                and not _no_room_to_compile(d.target):
-            d.target.compiled = _compiled_step(d.target, d.name, d.target.dtype, d.path, root, self.device,
-                                               build=build, late=late)
-            d.target.compiled.start()
 
     def new_controller(self) -> DraftController:
         if self.drafter.kind == "none":
@@ -200,42 +144,6 @@ def _can_draft(target) -> bool:
     recurrent one when every recurrent layer has a replay (engine/models/replay.py)."""
     cache = target.cache
     return not isinstance(cache, RecurrentCache) or len(cache.replays) == len(cache.states) > 0
-
-
-def _compilable(target) -> bool:
-    """A resident target (exact or quantized) running the fast forward: its weights are
-    fixed, so inductor can fold them into the graph. Not int4 weights in the canonical
-    form engine/kernels/q4.c reads: a traced step would dequantize them (a bf16 step at
-    four times the reads), while the eager step runs whole layers in one call."""
-    return isinstance(target, ResidentTarget) and target.kind == "fast" and not _own_int4(target)
-
-
-def _own_int4(target) -> bool:
-    """Whether the target's int4 weights are in localchat's own kernel's form (qweights.Int4Weight)."""
-    layers = getattr(getattr(target, "impl", None), "layers", None) or []
-    return any(getattr(m, "canonical", False) for w in layers[:1] for m in vars(w).values())
-
-
-def _no_room_to_compile(target) -> str:
-    """Why memory is too short for a compiled step ("" when it is not). The step keeps a
-    copy of the weights of its own, repacked for its kernels, beside the eager forward's
-    (prefill runs eagerly, verify passes on the forward's weights): about the weights' size
-    again, in RAM on a CPU, on the device on a GPU."""
-    need = int(target.weight_bytes() * 1.1) + (256 << 20)
-    free = hardware.available_memory(target.device)
-    if free is None or free >= need:
-        return ""
-    return (f"a compiled step needs {need / 2**30:.1f} GiB more memory (its own copy of the weights) "
-            f"and {free / 2**30:.1f} GiB is free")
-
-
-def _compiled_step(target, name: str, dtype, path, root: Path, device, **kw) -> compiled.CompiledStep:
-    """The compiled step of `target` (model `name`, weights at `path`), kept in its
-    package directory under `root` (engine/compile/package_dirs.py)."""
-    weights = _weights_label(target)
-    stamp = package_dirs.weights_stamp(path) if path else ""
-    return compiled.CompiledStep(target, root, package_dirs.cache_key(name, dtype, weights, device, stamp),
-                                 lineage=package_dirs.lineage(name, dtype, weights, device), **kw)
 
 
 def _weights_label(target) -> str:

@@ -41,8 +41,6 @@ class Stats:
     pass_seconds: float = 0.0       # mean seconds of a target pass
     bound_pass_seconds: float = 0.0  # the transfer bound of a pass: streamed bytes / tier bandwidth
     compute_threads: str = ""       # how many threads one-token steps ran on, and why (CPU only)
-    compile_state: str = "off"      # the compiled decode step: off | compiling | ready | failed
-    compiled_passes: tuple = ()     # the verify-pass buckets (positions) running compiled
 
     def as_dict(self) -> dict:
         return asdict(self)

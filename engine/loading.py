@@ -1,6 +1,6 @@
 """engine.open(): resolve the model, plan its memory before a weight is read, load the
 target the plan chose (resident exact, quantized, or streamed), the tokenizer and the
-drafter, and start the compiled step when asked."""
+drafter."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +9,6 @@ import torch
 
 from . import bandwidth, hardware, planner, profiles
 from . import checkpoint as _checkpoint
-from .compile import exported, package_dirs
 from .engine import Engine, _check_drafter, _load_tokenizer, _pick_dtype
 from .errors import BadRequest
 from .targets.quantized import load_quantized
@@ -33,7 +32,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
          draft_model: str | None = None, max_draft: int | None = None, draft_tokens: int | None = None,
          memory_budget: str | int | None = None, host_memory: str | int | None = None,
          profile: str | None = None, context: int | None = None, progress=None,
-         drafter_weights: str = "auto", profile_dir: str | Path | None = None, compile: str = "off") -> Engine:
+         drafter_weights: str = "auto", profile_dir: str | Path | None = None) -> Engine:
     """Load a model: None for the demo model, a local directory, a .gguf file or a hub repo id.
 
     drafter: auto (a model drafter if `draft_model` is given, else n-gram) | ngram | model | none.
@@ -45,16 +44,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     profile: None/"auto" picks the best that fits (resident-exact > resident-int8 >
     resident-int4 > streamed-exact), or a profile's name forces it. context: the longest conversation to plan memory for.
     The memory plan is made before any weight is read (`eng.plan`); a model that fits no
-    profile is refused with the figures, instead of exhausting memory.
-    compile: off | on | auto | cached — build the compiled decode step in the background
-    (engine/compile/step.py) and switch to it when ready; auto and on do so for a resident target
-    with the fast forward (the others decode eagerly), on also says why not in
-    `eng.compile_note`; cached only loads a step an earlier start built, never builds one;
-    oneshot is cached for a single answer: the step's package loads beside the model's
-    weights and goes live once that answer's first token is out, so the first token comes
-    as soon as eagerly."""
-    if compile not in ("off", "on", "auto", "cached", "oneshot"):
-        raise BadRequest(f"--compile {compile}: choose auto, on or off")
+    profile is refused with the figures, instead of exhausting memory."""
     _check_drafter(drafter, draft_model, drafter_weights)      # before loading anything: fail fast
     if draft_tokens is not None and not 0 <= draft_tokens <= 64:
         raise BadRequest(f"--draft-tokens {draft_tokens}: must be between 0 and 64")
@@ -83,7 +73,6 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
         # The streamed and quantized targets read tensors by name from the files; the
         # resident loader checks what transformers loaded (its load report) instead.
         _checkpoint.check_tensors(ckpt.path)
-    step = _preload_step(compile, ckpt, dev, dt, prof, cache_dir)
     if prof.placement == "streamed":
         row = plan.row(plan.chosen)
         target = load_streamed(ckpt.path, dev, dt, weight_budget=row.budget - (row.total - row.weights),
@@ -100,26 +89,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
                  draft_tokens=draft_tokens)
     eng.plan = plan
     eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast, weights=drafter_weights)
-    if compile != "off":
-        eng.start_compile(cache_dir, build=compile not in ("cached", "oneshot"), late=compile == "oneshot")
-    wanted = getattr(target, "compiled", None)
-    if step is not None and (wanted is None or wanted.package != step or not wanted.step):
-        exported.drop_preloaded(step)
     return eng
-
-
-def _preload_step(compile: str, ckpt, dev, dt, prof, cache_dir) -> Path | None:
-    """A one-shot answer's compiled step (compile="oneshot"), exact weights on a CPU: its
-    package starts loading now, beside the model's weights, where a second core is idle
-    (engine/compile/exported.py preload). Its path is the one Engine.start_compile will
-    ask for; the package a guess misses is dropped once the engine is open."""
-    if compile != "oneshot" or dev.type != "cpu" or (prof.placement, prof.weights) != ("resident", "exact"):
-        return None
-    root = cache_dir or _checkpoint.default_cache_dir()
-    key = package_dirs.cache_key(ckpt.name, dt, "exact", dev, package_dirs.weights_stamp(ckpt.path))
-    path = package_dirs.folder_of(root, key) / f"step{exported.suffix(dev)}"
-    exported.preload(path)
-    return path
 
 
 def quant_act_dtype(dev, requested=None) -> torch.dtype:

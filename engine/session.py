@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from .compile import worker as compile_worker
 from . import decode as decoding
 from . import speculative
 from .cache import common_prefix
@@ -142,7 +141,6 @@ class Chat(Messages):
         generated: list[int] = []
         reason, error = "length", ""
         tracker = None
-        compile_worker.pause()         # a running compile would starve this answer of the GIL
         try:
             prompt, prompt_text = rendered
             eng.claim_cache(self)
@@ -170,8 +168,6 @@ class Chat(Messages):
                 if delta:
                     answer["content"] += delta
                     yield TextDelta(delta)
-                if i == 0:
-                    compile_worker.first_token()     # (the consumer has shown it: a late step loads now)
                 if tokens[-1] in eng.stop_ids:
                     reason = "stop"
                 if tracker.due():
@@ -188,7 +184,6 @@ class Chat(Messages):
             reason = "cancelled"
             raise
         finally:
-            compile_worker.resume()
             tail = detok.flush()
             if tail:
                 answer["content"] += tail

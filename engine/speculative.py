@@ -41,20 +41,12 @@ class PassCosts:
         # fixed 0.5 made new chats on an easy-to-guess model decline to draft until
         # their own rate caught up.)
         self.acceptance: float | None = None
-        self._kernels: tuple[str, str] | None = None   # (target, drafter): eager | compiled
-        # A pass of n positions that runs in a compiled verify bucket costs the bucket's
-        # pass whatever n is (it is padded): such passes are measured under the bucket.
-        self._bucket = None
-
-    def key(self, n: int) -> int:
-        """What a pass over n positions is measured under: its compiled bucket, or n."""
-        return (self._bucket(n) if self._bucket is not None else None) or n
 
     def observe(self, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
         if drafted:
             per = draft_seconds / drafted
             self.t_draft = per if self.t_draft is None else self.t_draft + self.alpha * (per - self.t_draft)
-        n = self.key(drafted + 1)
+        n = drafted + 1
         old = self.t_pass.get(n)
         self.t_pass[n] = verify_seconds if old is None else old + self.alpha * (verify_seconds - old)
 
@@ -66,28 +58,6 @@ class PassCosts:
     def observe_acceptance(self, rate: float) -> None:
         old = self.acceptance
         self.acceptance = rate if old is None else old + self.alpha * (rate - old)
-
-    def follow_kernels(self, target, drafter) -> None:
-        """Forget what passes or drafts cost once a compiled step has gone live under them
-        (engine/compile/step.py): compiled kernels change the cost curve, not just its level (a
-        compiled one-token step gains more than an eager verify pass), so the best k is
-        measured afresh rather than drifted towards."""
-        key = (_kernels(target), _kernels(getattr(drafter, "target", None)))
-        old, self._kernels = self._kernels or key, key
-        if key[0] != old[0]:
-            self.t_pass = {}
-            step = getattr(target, "compiled", None)
-            self._bucket = step.pass_rows if step is not None and step.passes else None
-        if key[1] != old[1]:
-            self.t_draft = None
-
-
-def _kernels(target) -> str:
-    """Which kernels run a target's passes: the step's, and each verify bucket live."""
-    step = getattr(target, "compiled", None)
-    if step is None:
-        return "eager"
-    return ("compiled" if step.state == "ready" else "eager") + "".join(f"+{r}" for r in sorted(step.passes))
 
 
 class DraftController:
@@ -137,7 +107,6 @@ class DraftController:
     def t_verify(self, n: int) -> float:
         """Measured pass time over n positions; unmeasured n are interpolated linearly
         between measured ones (a pass is weight-bound: nearly flat in n until compute-bound)."""
-        n = self.costs.key(n)
         if n in self.t_pass:
             return self.t_pass[n]
         known = sorted(self.t_pass)
@@ -168,8 +137,7 @@ class DraftController:
             return self.k
         if 1 not in self.t_pass:
             # Every choice is measured against a plain step: measure one rather than
-            # extrapolate it from wider passes, which can be far off (a compiled one-token
-            # step that just went live costs half an eager verify pass).
+            # extrapolate it from wider passes, which can be far off.
             self.k = 0
             return 0
         t_draft = self.t_draft
@@ -229,7 +197,6 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
         if cancel is not None and cancel.is_set():
             return
         room = max_new_tokens - produced          # tokens we may still emit
-        controller.costs.follow_kernels(target, drafter)
         k = min(controller.choose(), room - 1)
         # The token is committed by this round's pass whatever is accepted: put it in the
         # history now, so the drafter reads the history itself (no copy per round).

@@ -73,6 +73,4 @@ class StatsTracker:
             device_bytes=dev if dev is not None else t.device_bytes(),
             host_bytes=hardware.host_rss(),
             peak_host_bytes=hardware.peak_host_rss(),
-            compile_state=t.compiled.state if getattr(t, "compiled", None) is not None else "off",
-            compiled_passes=tuple(sorted(t.compiled.passes)) if getattr(t, "compiled", None) is not None else (),
         )

@@ -147,9 +147,7 @@ def bench_main(argv: list[str]) -> int:
         return EXIT_USAGE
     quiet_libraries()
     try:
-        # A step going live mid-run would mix two speeds in one figure: auto stays eager here.
-        eng = open_engine(settings, compile="off" if settings.compile == "auto" else settings.compile,
-                          api_key=args.api_key)
+        eng = open_engine(settings, api_key=args.api_key)
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE

@@ -5,13 +5,12 @@ of this module: imports run one way, cli -> commands -> common."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .argparsing import Parser
 from . import __version__
 from .common import (EXIT_INTERRUPTED, EXIT_USAGE, add_backend_flags, add_model_flags, add_sampling_flags,
-                     compile_mode, error, load_settings, open_engine, quiet_libraries)
+                     error, load_settings, open_engine, quiet_libraries)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,9 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `localchat` command: run it, then leave (_leave). Callers in a process that goes
-    on (the tests) call run(), which never ends the process."""
-    return _leave(run(argv))
+    """The `localchat` command (the console script's entry point)."""
+    return run(argv)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -86,8 +84,7 @@ def run(argv: list[str] | None = None) -> int:
             if args.no_log and (args.resume_last or args.cid):
                 error("--no-log starts an unsaved chat; it cannot resume one (drop --continue/--cid)")
                 return EXIT_USAGE
-            mode = compile_mode(settings, interactive=True)
-            return run_tui(lambda s, progress=None: open_engine(s, progress, compile=mode, api_key=args.api_key),
+            return run_tui(lambda s, progress=None: open_engine(s, progress, api_key=args.api_key),
                            settings, data_dir=args.data_dir, resume="last" if args.resume_last else args.cid,
                            save=not args.no_log)
         from .oneshot import run_oneshot
@@ -95,19 +92,6 @@ def run(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-def _leave(code: int) -> int:
-    """Exit code passthrough, except while a background compile still runs: then flush and
-    leave at once (engine.compile.worker.busy says why). Only for the process's own exit:
-    called in a test's process, it ended the whole test run with status 0 and no summary
-    (a one-shot answer left a stale package's race running in the background)."""
-    import engine.compile.worker
-    if engine.compile.worker.busy():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
 
 
 if __name__ == "__main__":

@@ -31,10 +31,6 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens of conversation to plan memory for (default: 4096 when streaming)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
-    p.add_argument("--compile", choices=["auto", "on", "off"],
-                   help="compile the decode step in the background and switch to it when ready (resident exact "
-                        "weights); auto (default) = build it in the chat UI, where a session lasts long enough to "
-                        "gain; a one-shot answer uses the step an earlier start built")
     spec = p.add_argument_group("speculative decoding (never changes the answer)")
     spec.add_argument("--drafter", choices=["auto", "ngram", "model", "none"],
                       help="who proposes tokens: ngram (prompt lookup, free), model (--draft-model), none; "
@@ -94,8 +90,6 @@ def check_flags(s: config_mod.Settings) -> str | None:
         return f"--draft-tokens {s.draft_tokens}: must be between 0 and 64"
     if s.context is not None and s.context < 16:
         return f"--context {s.context}: must be at least 16 tokens"
-    if s.compile not in ("auto", "on", "off"):
-        return f"compile = {s.compile!r}: choose auto, on or off"
     if s.drafter == "model" and not s.draft_model:
         return "--drafter model needs --draft-model PATH_OR_REPO"
     return None
@@ -129,27 +123,9 @@ def load_settings(args: argparse.Namespace) -> config_mod.Settings | None:
     return settings
 
 
-# What --compile auto resolves to for a one-shot answer: load the step an earlier start
-# built once the first token is out, never build one (the answer would not live to use it).
-ONESHOT_COMPILE = "oneshot"
-
-
-def compile_mode(settings: config_mod.Settings, interactive: bool) -> str:
-    """--compile auto builds the step for the chat UI, whose sessions last long enough to
-    gain from a build, and loads the one it left for a one-shot answer: loading a built
-    step is cheap (its library, kept on disk: engine/compile/exported.py), and from the
-    first tokens on it decodes at the compiled speed (benchmarks/oneshot_start.py).
-    --compile on builds for a one-shot answer too; off never compiles."""
-    if settings.compile == "auto":
-        return "auto" if interactive else ONESHOT_COMPILE
-    return settings.compile
-
-
-def open_engine(settings: config_mod.Settings, progress=None, compile: str = "off", api_key: str | None = None):
+def open_engine(settings: config_mod.Settings, progress=None, api_key: str | None = None):
     """The engine for these settings; `progress(what, done, total)` hears about loading
-    where the engine reports it (streamed layers). compile: what `--compile` resolves to
-    for this kind of run (the chat UI builds on auto; a one-shot answer loads a built step).
-    With a backend, its model in the engine's place (localchat/remote.py)."""
+    where the engine reports it (streamed layers). With a backend, its model in the engine's place (localchat/remote.py)."""
     if settings.backend:
         from . import remote
         return remote.RemoteEngine(settings.backend, settings.backend_model, remote.api_key(api_key))
@@ -158,4 +134,4 @@ def open_engine(settings: config_mod.Settings, progress=None, compile: str = "of
                        draft_model=settings.draft_model, draft_tokens=settings.draft_tokens,
                        drafter_weights=settings.drafter_weights, profile_dir=config_mod.config_dir() / "profiles",
                        memory_budget=settings.vram, host_memory=settings.ram, profile=settings.profile,
-                       context=settings.context, progress=progress, compile=compile)
+                       context=settings.context, progress=progress)

@@ -31,7 +31,6 @@ class Settings:
     draft_model: str | None = None    # the drafter checkpoint for drafter = model (or auto)
     draft_tokens: int | None = None   # a fixed draft length; None = adaptive
     drafter_weights: str = "auto"     # exact | int8 | int4 | auto (int4 for draft_model = "self")
-    compile: str = "auto"             # auto (chat UI) | on | off: the compiled decode step
     theme: str = "textual-dark"
     usable_tps: float = 10.0          # setup recommends models predicted to decode at least this fast
     backend: str | None = None        # an OpenAI-compatible server's URL: answer there, load no model
@@ -40,6 +39,8 @@ class Settings:
 
 # The environment names each setting takes, e.g. LOCALCHAT_MODEL, LOCALCHAT_MAX_TOKENS.
 _TYPES = {f.name: f.type for f in fields(Settings)}
+# Settings earlier versions wrote that mean nothing now: read with a note, dropped on save.
+RETIRED = {"compile": "every decode step runs the C kernels, so there is no step to compile"}
 
 
 def config_dir() -> Path:
@@ -83,7 +84,7 @@ def _coerce(name: str, value, source: str):
 # What a setting from a file or the environment may hold (flags are checked by the CLI
 # with the same ranges): a value outside is a warning and the default, like a bad type.
 _CHOICES = {"drafter": ("auto", "ngram", "model", "none"),
-            "drafter_weights": ("auto", "exact", "int8", "int4"), "compile": ("auto", "on", "off"),
+            "drafter_weights": ("auto", "exact", "int8", "int4"),
             "dtype": ("auto", "float32", "bfloat16", "float16")}
 _RANGES = {"max_tokens": (lambda v: v >= 1, "at least 1"),
            "temperature": (lambda v: math.isfinite(v) and v >= 0, "0 (greedy) or a finite positive number"),
@@ -122,6 +123,10 @@ def load(path: Path | None = None, environ: dict | None = None) -> tuple[Setting
             data = tomllib.loads(path.read_text(encoding="utf-8"))
             values = {}
             for key, value in data.items():
+                if key in RETIRED:
+                    warnings.append(f"{path}: {key!r} is no longer used ({RETIRED[key]}); delete the line, "
+                                    "or `localchat setup` drops it")
+                    continue
                 if key not in _TYPES:
                     warnings.append(f"{path}: unknown setting {key!r} ignored "
                                     f"(known: {', '.join(sorted(_TYPES))})")
@@ -158,6 +163,8 @@ def save(settings: Settings, path: Path | None = None, keys: tuple[str, ...] | N
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError):
             backup = path.with_suffix(".toml.bak")
             path.replace(backup)   # never lose a file we cannot parse
+    for key in RETIRED:
+        existing.pop(key, None)
     for f in fields(Settings):
         value = getattr(settings, f.name)
         if (keys and f.name in keys) or (not keys and value != _default(f.name)):

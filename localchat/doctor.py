@@ -118,16 +118,14 @@ def doctor_main(argv: list[str]) -> int:
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
-    from engine.compile import package_dirs, proof
-    steps = package_dirs.cached_steps(checkpoint.default_cache_dir())
+    leftover = _retired_steps(checkpoint.default_cache_dir())
     if args.json:
         out = {"hardware": _hw_dict(hw), "model": {"name": shape.name, "path": str(ckpt.path) if ckpt else None,
                                                    "params": shape.params, "dtype_bytes": shape.dtype_bytes,
                                                    "planned_from": planned_from},
                "bandwidth": read,
                "plan": plan.as_dict(), "fidelity": {k: v.as_dict() for k, v in fid.items()},
-               "compiled_steps": [{"path": str(p), "bytes": n,
-                                   **({"proof": proof.read(p)} if p.stem == "step" else {})} for p, n in steps]}
+               "retired_compiled_steps": {"path": str(leftover[0]), "bytes": leftover[1]} if leftover else None}
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print(_hw_text(hw))
@@ -151,16 +149,19 @@ def doctor_main(argv: list[str]) -> int:
     hint = _self_drafter_hint(plan, shape, settings)
     if hint:
         print(hint)
-    if steps:
-        n_steps = sum(p.stem == "step" for p, _ in steps)
-        print(f"Compiled decode steps: {n_steps} built, {len(steps) - n_steps} verify passes, "
-              f"{human_bytes(sum(n for _, n in steps))} in {steps[0][0].parent.parent} "
-              "(a step holds a copy of its model's weights; delete a folder to reclaim it)")
-        for p, _ in steps:
-            if p.stem == "step":
-                what = (package_dirs.lineage_of(p.parent) or p.parent.name).replace("|", " · ")
-                print(f"  {what}: {proof.describe(proof.read(p))}")
+    if leftover:
+        print(f"Compiled decode steps an earlier localchat built: {human_bytes(leftover[1])} in {leftover[0]}, "
+              f"unused now (every step runs the C kernels); `rm -r {leftover[0]}` reclaims it")
     return EXIT_OK
+
+
+def _retired_steps(cache: Path) -> tuple[Path, int] | None:
+    """The folder of compiled steps earlier versions kept (each a copy of its model's
+    weights) and its size, if one is left."""
+    folder = Path(cache) / "inductor"
+    if not folder.is_dir():
+        return None
+    return folder, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def _model_shape(model: str | None):
@@ -296,6 +297,10 @@ def _kernel_text() -> str:
     why = _int4_kernel()
     lines.append("Int4 kernel: int4 weights are read in their own form, whole layers in one call" if not why
                  else f"Int4 kernel: not used, {why}; aten's int4 kernel instead")
+    from engine.kernels import gdn_kernel
+    why = gdn_kernel.why_not()
+    lines.append("Gated delta-net kernel: a hybrid's conv and recurrence steps run in C" if not why
+                 else f"Gated delta-net kernel: not used, {why}; transformers' functions instead")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import json
 import sys
 
 from .format import human_bytes
-from .common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, compile_mode, error, open_engine
+from .common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error, open_engine
 
 
 def read_prompt(args_prompt: list[str], stdin=None) -> tuple[str, bool]:
@@ -42,10 +42,6 @@ def format_stats(s) -> str:
                  f"(transfer bound {s.bound_pass_seconds * 1e3:.0f} ms)")
         if s.compute_threads:
             line += f" · {s.compute_threads}"
-    if s.compile_state in ("compiling", "ready"):
-        line += " · compiled step" if s.compile_state == "ready" else " · compiling in the background"
-    if s.compiled_passes:
-        line += f" · compiled verify ({', '.join(map(str, s.compiled_passes))} positions)"
     return line + f" · peak memory {human_bytes(peak)}"
 
 
@@ -111,7 +107,7 @@ def run_oneshot(args, settings) -> int:
         error("the prompt is empty: pass a question as arguments or on stdin (or run `localchat` in a terminal for the chat UI)")
         return EXIT_USAGE
     try:
-        eng = open_engine(settings, compile=compile_mode(settings, interactive=False), api_key=args.api_key)
+        eng = open_engine(settings, api_key=args.api_key)
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE

@@ -4,8 +4,8 @@
                     [every model, profile and drafter flag of the chat]
 
 Loopback only unless --host says otherwise; --host 0.0.0.0 without --api-key warns. The
-engine loads once, after the port is open (GET /health: loading, then ready), and builds
-its compiled step in the background as the chat UI does. One line per request on stderr."""
+engine loads once, after the port is open (GET /health: loading, then ready). One line per
+request on stderr."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ import socket
 import sys
 
 from .argparsing import Parser
-from .common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, compile_mode, error, load_settings, open_engine
+from .common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, error, load_settings, open_engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,7 @@ def serve_main(argv: list[str]) -> int:
         error(f"--host {args.host} --port {args.port}: cannot listen there ({exc.strerror or exc})")
         return EXIT_USAGE
     name = args.served_model_name or _model_id(settings.model)
-    runner = Runner(lambda: open_engine(settings, compile=compile_mode(settings, interactive=True)),
+    runner = Runner(lambda: open_engine(settings),
                     max_queue=args.max_queue, queue_timeout_s=args.queue_timeout, max_tokens=settings.max_tokens)
     runner.start()
     app = make_app(runner, name, aliases=tuple(filter(None, [settings.model])), api_key=args.api_key)
@@ -81,7 +81,7 @@ def serve_main(argv: list[str]) -> int:
     finally:
         runner.stop()
     print("localchat serve: stopped", file=sys.stderr, flush=True)
-    # The engine thread may be inside an answer or a compile: leave without tearing it down.
+    # The engine thread may be inside an answer: leave without tearing it down.
     sys.stderr.flush()
     os._exit(EXIT_OK)
 

@@ -11,7 +11,6 @@ session by default), so a test drives the wizard through a pipe input."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import sys
@@ -60,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ram", metavar="SIZE", help="host memory the engine may use, e.g. 32GiB")
     p.add_argument("--context", type=int, default=8192, metavar="N", help="tokens of context to plan for (8192)")
     p.add_argument("--no-build", action="store_true",
-                   help="do not build the compiled decode step now (the chat UI then builds it in the background)")
+                   help="do not build the C kernels for this CPU now (the first chat then builds them)")
     p.add_argument("--min-tps", type=float, metavar="T",
                    help="the decode speed a recommendation must reach, in tokens/s (default: usable_tps, 10)")
     return p
@@ -179,9 +178,9 @@ class Answers:
 def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None = None,
                context: int = 8192, path: Path | None = None, fetch_model: Callable[[str], Path] = fetch,
                bandwidth: dict | None = None, usable_tps: float = USABLE_TPS,
-               build_step: Callable[[Path], object] | None = None) -> int:
+               build_kernels: Callable[[], object] | None = None) -> int:
     """The whole wizard; returns the exit code. `ask` raises EOFError/KeyboardInterrupt to cancel.
-    `build_step(config_path)`, when given, builds the compiled step of what was configured."""
+    `build_kernels()`, when given, builds the C kernels once the config is written."""
     from engine.errors import EngineError, ModelNotFound
     from .doctor import _hw_text
     answers = answers or Answers()
@@ -277,8 +276,8 @@ def run_wizard(hw, profiles, ask: Ask, say: Say = print, answers: Answers | None
         # --- the config
         written, backup = write_config(model, drafter, draft_model, path, profile)
         say(f"\nWrote {written}" + (f" (the previous one is kept as {backup})" if backup else ""))
-        if build_step is not None:
-            build_step(written)
+        if build_kernels is not None:
+            build_kernels()
         say("Start chatting with: localchat")
         return EXIT_OK
     except (EOFError, KeyboardInterrupt, Cancelled):
@@ -399,22 +398,15 @@ def setup_main(argv: list[str]) -> int:
         return EXIT_USAGE
     try:
         return run_wizard(hw, profs, ask, print, answers, context=args.context, bandwidth=read, usable_tps=usable,
-                          build_step=None if args.no_build else _build_step(args))
+                          build_kernels=None if args.no_build else _build_kernels)
     except EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
 
 
-def _build_step(args):
-    """Build the compiled step of the config just written, with this run's device flags."""
-    def build(path: Path):
-        from . import prebuild
-        settings, warnings = config_mod.load(path)
-        for w in warnings:
-            error(w)
-        prebuild.build(dataclasses.replace(settings, device=args.device or settings.device,
-                                           vram=args.vram or settings.vram, ram=args.ram or settings.ram))
-    return build
+def _build_kernels() -> None:
+    from . import prebuild
+    prebuild.build()
 
 
 def _no_questions(question: str) -> str:

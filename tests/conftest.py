@@ -47,8 +47,3 @@ def demo_engine():
     return engine.open()
 
 
-@pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory):
-    """One inductor cache for every test that compiles: the first compile is cold (tens of
-    seconds on two cores), the others find its graphs."""
-    return tmp_path_factory.mktemp("compile-cache")

@@ -18,7 +18,7 @@ class Server:
         env = dict(os.environ, PYTHONPATH=ROOT, LOCALCHAT_API_KEY="")
         env.pop("LOCALCHAT_API_KEY")
         self.proc = subprocess.Popen([sys.executable, "-m", "localchat", "serve", "--model", str(model), "--port", "0",
-                                      "--compile", "off", "--drafter", "none", *flags],
+                                      "--drafter", "none", *flags],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         first = self.proc.stderr.readline()

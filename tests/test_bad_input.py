@@ -14,7 +14,6 @@ import sqlite3
 import struct
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -266,6 +265,7 @@ def all_cases(tiny: Path, other: Path, gguf: Path, bad_config: Path) -> list[Cas
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, tiny_llama):
     import importlib.util
+
     from tiny import build_model, build_tokenizer
     root = tmp_path_factory.mktemp("bad-input")
     other = build_model(root / "other-tokenizer", "llama", tokenizer=build_tokenizer(

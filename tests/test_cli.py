@@ -171,32 +171,24 @@ def test_a_model_larger_than_the_budget_streams_and_says_so(tiny_llama):
     assert "steps on" in err and ("checked bit-identical" in err or "fewer change the bits" in err), err
 
 
-def test_one_shot_with_compile_on_answers_without_waiting_for_the_compile(tiny_llama, tmp_path):
-    # The answer is printed from the eager step while the compile runs in the background;
-    # the process then leaves at once (os._exit after flushing) instead of waiting for it.
-    proc = run_cli("--model", str(tiny_llama), "-n", "8", "--compile", "on", "--stats", "the cat",
-                   extra_env={"LOCALCHAT_CACHE_DIR": str(tmp_path)})
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip()
-    err = proc.stderr.decode()
-    assert "compiling in the background" in err and "Traceback" not in err
-
-
-def test_a_one_shot_answer_uses_a_built_step_but_never_builds_one():
-    # --compile auto: the chat UI builds; a one-shot answer loads the step an earlier start
-    # built, after its first token (end to end: tests/test_compiled.py); --compile on
-    # builds for it too, off never compiles.
-    assert common.compile_mode(config.Settings(compile="auto"), interactive=True) == "auto"
-    assert common.compile_mode(config.Settings(compile="auto"), interactive=False) == "oneshot"
-    assert common.compile_mode(config.Settings(compile="on"), interactive=False) == "on"
-    assert common.compile_mode(config.Settings(compile="off"), interactive=False) == "off"
-
-
-def test_compile_flag_and_setting_are_checked(tiny_llama):
-    proc = run_cli("--compile", "sometimes", "hi")
-    assert proc.returncode == 2 and b"--compile" in proc.stderr
+def test_a_setting_out_of_range_and_a_retired_one_are_one_warning_each(tiny_llama, tmp_path):
     # A setting from the environment (or the config file) that is out of range is one
     # warning naming where it came from; the run goes on with that setting's default.
-    proc = run_cli("--model", str(tiny_llama), "-n", "2", "hi", extra_env={"LOCALCHAT_COMPILE": "maybe"})
+    proc = run_cli("--model", str(tiny_llama), "-n", "2", "hi", extra_env={"LOCALCHAT_DRAFTER_WEIGHTS": "maybe"})
     assert proc.returncode == 0 and proc.stdout.strip()
-    one_line_error(proc, "LOCALCHAT_COMPILE", "auto, on, off")
+    one_line_error(proc, "LOCALCHAT_DRAFTER_WEIGHTS", "auto, exact, int8, int4")
+    # A config an earlier version wrote, with its `compile` setting: the answer comes, and
+    # one line says the setting is gone and how to drop it.
+    (tmp_path / "config.toml").write_text('compile = "on"\nmax_tokens = 3\n')
+    proc = run_cli("--model", str(tiny_llama), "hi", extra_env={"LOCALCHAT_CONFIG_DIR": str(tmp_path)})
+    assert proc.returncode == 0 and proc.stdout.strip()
+    one_line_error(proc, "'compile' is no longer used", "delete the line")
+
+
+def test_saving_a_config_drops_its_retired_settings(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text('compile = "off"\ntheme = "nord"\n')
+    config.save(config.Settings(model="m"), path, keys=("model",))
+    settings, warnings = config.load(path, {})
+    assert (settings.model, settings.theme, warnings) == ("m", "nord", [])
+    assert "compile" not in path.read_text()

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from engine.compile import pages
 from engine.session import render_prompt
 
 pytestmark = pytest.mark.demo
@@ -144,25 +143,3 @@ def test_demo_model_drafting_for_itself_accepts_everything(demo_engine):
         eng.drafter, eng.draft_tokens = saved
 
 
-def test_compiled_step_equals_generate(reference):
-    """The compiled decode step (engine/compile/step.py) on the demo model in float32: compiled
-    for real (a cold compile takes about two minutes on two cores; later runs find the
-    cache under LOCALCHAT_CACHE_DIR), then every prompt's greedy answer token for token
-    what generate() gives."""
-    import engine
-    eng = engine.open(dtype="float32", drafter="none", compile="on")
-    step = eng.target.compiled
-    assert step.wait(1800), step.error
-    # The package's library carried a copy of the weights (621 MB); it was copied out at
-    # load, and its pages were given back (engine/compile/pages.py). It is mapped from the
-    # cache dir, under the name it was loaded by (engine/compile/exported.py).
-    library = [m for m in pages.mappings() if m.path.startswith(str(step.cache_dir)) and m.perms.startswith("r--")]
-    assert library and sum(m.fields.get("Rss", 0) for m in library) < 32 << 20
-    for prompt in PROMPTS:
-        chat = eng.chat()
-        done = list(chat.send(prompt, max_new_tokens=64))[-1]
-        ids = torch.tensor([render_prompt(eng.tokenizer, [{"role": "user", "content": prompt}])])
-        with torch.inference_mode():
-            want = reference.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
-        assert list(done.token_ids) == want, prompt
-        assert chat.last_stats.compile_state == "ready"

@@ -167,7 +167,7 @@ def oneshot(args, data_dir, monkeypatch, capsys) -> tuple[int, str, str]:
     monkeypatch.setenv("LOCALCHAT_DATA_DIR", str(data_dir))
     monkeypatch.setattr(sys, "stdin", TerminalStdin())
     capsys.readouterr()
-    code = cli.run(["--compile", "off", *args])      # nothing left running in this process after it
+    code = cli.run(args)
     out = capsys.readouterr()
     return code, out.out, out.err
 

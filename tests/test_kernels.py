@@ -99,7 +99,7 @@ def test_built_once_into_the_cache_then_reused(tmp_path, monkeypatch):
     assert [p.name for p in first.parent.iterdir()] == [first.name]     # no half-written leftovers
     # other flags are another library, never the cached one
     assert build._build(row_kernel.SOURCE, BF16_FLAGS + ["-DPREFETCH_UNUSED"]) != first
-    assert ctypes.CDLL(str(first)).kernel_version() == row_kernel.VERSION
+    assert ctypes.CDLL(str(first)).linear_bf16 is not None       # the library it names is the kernel
 
 
 def test_a_failing_compiler_leaves_torchs_kernels(tmp_path, monkeypatch):

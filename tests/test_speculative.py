@@ -218,16 +218,15 @@ def test_controller_picks_plain_decoding_when_drafting_does_not_pay():
 
 
 def test_controller_measures_a_plain_step_before_weighing_drafts():
-    # Only a 3-position pass measured (the first draft round, or costs forgotten when a
-    # compiled step went live): extrapolated, a plain step would look as dear as a verify
+    # Only a 3-position pass measured (the first draft round): extrapolated, a plain step would look as dear as a verify
     # pass; the controller takes one plain step to measure it instead.
     c = DraftController(max_draft=8, prior_acceptance=0.6)
     c.t_draft, c.t_pass = 0.002, {3: 0.030}
     assert c.choose() == 0
-    c.observe(0, 0, 0.0, 0.010)                 # a compiled plain step: a third of the verify pass
+    c.observe(0, 0, 0.0, 0.010)                 # a plain step: a third of the verify pass
     assert c.t_pass[1] == 0.010
     assert c.choose() == 0                      # 1.6 tokens for 34 ms loses to 1 for 10 ms
-    c.t_pass[1] = 0.028                         # an eager plain step, as dear as the verify pass
+    c.t_pass[1] = 0.028                         # a plain step as dear as the verify pass
     assert c.choose() > 0
 
 

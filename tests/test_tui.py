@@ -238,22 +238,3 @@ def test_status_bar_figures_are_short_and_readable():
     assert [rate(0.0), rate(71.67), rate(286.4)] == ["–", "71.7", "286"]
 
 
-def test_status_bar_says_compiling_then_compiled(tiny_llama, compile_cache):
-    """With a compile running the status bar says so; when it lands (polled, between answers
-    too) the decode figure is marked compiled."""
-    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none", compile="on", cache_dir=compile_cache)
-
-    async def main():
-        app = ChatApp(loader(eng), Settings(max_tokens=8))
-        async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
-            assert "compiling…" in app.status_bar.text
-            eng.target.compiled.wait(900)
-            await wait_for(pilot, lambda: "(compiled)" in app.status_bar.text, what="the compiled step")
-            assert "compiling…" not in app.status_bar.text and "verify" not in app.status_bar.text
-            # With a drafter, verify passes compile after the step: said after the figure.
-            app.status_bar.verify = "compiling"
-            await pilot.pause()
-            assert "(compiled) │ compiling verify…" in app.status_bar.text
-
-    asyncio.run(main())

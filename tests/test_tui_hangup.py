@@ -74,7 +74,7 @@ def test_the_app_leaves_when_its_terminal_goes_and_keeps_the_conversation(tiny_l
     env = dict(os.environ, TERM="xterm-256color", LOCALCHAT_DATA_DIR=str(tmp_path / "data"),
                LOCALCHAT_CONFIG_DIR=str(tmp_path / "config"), HF_HUB_OFFLINE="1")
     db = tmp_path / "data" / "history.db"
-    term = Terminal(["--model", str(tiny_llama), "--max-tokens", "3000", "--compile", "off"], env)
+    term = Terminal(["--model", str(tiny_llama), "--max-tokens", "3000"], env)
     try:
         _wait(lambda: b"tok/s" in term.screen or b"ready" in term.screen.lower() or len(term.screen) > 4000,
               what="the chat UI to draw")

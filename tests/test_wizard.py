@@ -71,7 +71,7 @@ def _options(hw, bandwidth):
 
 def test_setup_recommends_what_decodes_at_a_usable_speed_on_a_2_core_cpu():
     """A 2-core CPU with 25 GB, memory read at 50 GB/s: at 0.75 of the bound (what the
-    compiled step reaches), a token must read at most 3.75 GB to reach 10 tok/s. By hand,
+    engine's step reaches), a token must read at most 3.75 GB to reach 10 tok/s. By hand,
     from the Qwen3 configs: Qwen3-4B's decoder linears are 36 x (2560x4096 + 2x2560x1024 +
     4096x2560 + 3x2560x9728) = 3.634e9 weights, in int4 3.634e9/2 + 4 x 3.634e9/32 (bf16
     scale and zero per 32) = 2.27 GB, plus the tied embedding 151936 x 2560 in bf16 =
@@ -194,21 +194,32 @@ def test_non_interactive_setup(tiny_llama, tmp_path):
     assert proc.returncode == 0, proc.stderr
     settings, _ = config.load(tmp_path / "cfg" / "config.toml", {})
     assert Path(settings.model) == Path(tiny_llama).resolve() and settings.drafter == "ngram"
-    assert "Compiled step" not in proc.stdout and not (tmp_path / "cache" / "inductor").exists()
+    assert "C kernels" not in proc.stdout and not (tmp_path / "cache" / "kernels").exists()
 
 
-def test_setup_builds_the_compiled_step_so_the_first_chat_is_fast(tiny_llama, tmp_path):
+def test_setup_builds_the_kernels_so_no_chat_waits_on_a_compiler(tiny_llama, tmp_path):
+    from engine.kernels import build
+    if build.compiler() is None:
+        pytest.skip("no C compiler here")
     env = dict(os.environ, LOCALCHAT_CONFIG_DIR=str(tmp_path / "cfg"), LOCALCHAT_CACHE_DIR=str(tmp_path / "cache"))
     setup = [sys.executable, "-m", "localchat", "setup", "--yes", "--model", str(tiny_llama), "--drafter", "none"]
-    proc = subprocess.run(setup, capture_output=True, text=True, env=env, timeout=900, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(setup, capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
-    assert "Building the compiled decode step" in proc.stdout and "Compiled step built in" in proc.stdout
-    assert "tok/s (eager" in proc.stdout                   # raced once built (engine/compile/proof.py)
-    assert len(list((tmp_path / "cache" / "inductor").glob("*/step.so"))) == 1
-    # A second setup (and any chat) finds it instead of building it again.
+    ready = next(l for l in proc.stdout.splitlines() if l.startswith("C kernels ready"))
+    built = sorted(p.name for p in (tmp_path / "cache" / "kernels").glob("*.so"))
+    # Every source this CPU runs was built: rows.c, layer.c, q4.c, gdn.c by name.
+    for name, source in (("rows", "rows-"), ("layers", "layer-"), ("int4", "q4-"), ("gated delta-net", "gdn-")):
+        if name in ready.split(": ", 1)[1]:
+            assert any(b.startswith(source) for b in built), (name, built)
+    assert any(b.startswith("gdn-") for b in built), built       # gdn.c needs no more than a C compiler
+    # A second setup, and a chat after it, find them: nothing is built again.
+    stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "kernels").iterdir()}
     again = subprocess.run(setup, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
-    assert again.returncode == 0 and "Compiled step found (built earlier)" in again.stdout, again.stdout
-    assert "Building" not in again.stdout and "Loading the compiled decode step" in again.stdout
+    assert again.returncode == 0 and ready.split(": ", 1)[1] in again.stdout, again.stdout
+    chat = subprocess.run([sys.executable, "-m", "localchat", "-n", "3", "hi"], capture_output=True, text=True,
+                          env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert chat.returncode == 0 and chat.stdout.strip(), chat.stderr
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "kernels").iterdir()} == stamp
 
 
 def test_setup_without_a_terminal_needs_yes(tmp_path):

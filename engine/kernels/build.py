@@ -2,9 +2,8 @@
 
 The libraries are kept in `<cache>/kernels/<name>-<hash>.so`; the hash covers the source,
 the flags and the compiler's version, so an edited kernel or another compiler builds anew
-and never loads a stale library. A compiled step already needs a C compiler on a CPU
-(inductor writes C++), so a kernel asks nothing more of the machine; where there is none,
-or it fails, the caller keeps torch's kernels and `why` says so.
+and never loads a stale library. Where there is no C compiler, or it fails, the caller
+keeps torch's kernels and `why` says so.
 
 The library links libgomp.so.1 by name: torch's wheels ship it under that name and load it
 first, so the kernel's parallel loops run on the same OpenMP runtime and thread team as

@@ -106,5 +106,3 @@ static inline void silu16(const float *g, float *out) {
 #include "layer_body.h"
 #include "moe_body.h"
 #endif
-
-int layer_version(void) { return 2; }

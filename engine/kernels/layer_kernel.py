@@ -11,7 +11,7 @@ verify pass's rows are one-token steps bit for bit, as with the row kernel alone
 It runs where the row kernel for the dtype runs (the same compiler flags and CPU needs) and
 the model is plain: weights resident, dense in the dtype or (bf16) int4 in the form
 engine/kernels/q4.c reads; head size at most 512. Elsewhere,
-and while a graph is traced (the compiled step), the forward runs its torch operations.
+and while torch.compile traces a graph, the forward runs its torch operations.
 `LOCALCHAT_KERNELS=off` turns it off with the row kernel; `LOCALCHAT_LAYER_KERNEL=off`
 alone, for comparisons."""
 from __future__ import annotations
@@ -27,7 +27,6 @@ from . import build, row_kernel
 SOURCE = "layer"
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 MAX_HEAD_DIM = 512           # layer.c's per-head buffers
-VERSION = 2                  # layer.c's layer_version(): a compiled step's race records it
 
 VECTORS = ("ln1", "qkv_bias", "o_bias", "ln2", "q_norm", "k_norm")
 MATRICES = ("qkv", "o", "gate_up", "down")
@@ -121,10 +120,9 @@ def _mat(t) -> _Mat:
 
 class LayerStack:
     """The C descriptions of a forward's layers, over whichever KV cache the forward holds
-    when it is called: a race or a check runs a shallow copy of the forward with a scratch
-    cache of its own (engine/compile/race.py), on another thread than the chat's, so the
-    descriptions and the scratch memory are kept per thread and rebuilt when the cache
-    changes (a reallocation, another cache)."""
+    when it is called. The descriptions and the scratch memory are kept per thread (engines
+    on two threads, as in `serve` beside a benchmark, never share them) and rebuilt when the
+    cache changes (a reallocation, another cache)."""
 
     def __init__(self, fwd, dtype: torch.dtype):
         self.layers, self.dtype = fwd.layers, dtype

@@ -56,7 +56,7 @@ class Experts:
                  int4: tuple[list, list] | None = None):
         self.dtype, self.E, self.hid, self.I = dtype, num_experts, hidden, inter
         self._run, self._size = _fns[dtype]
-        self._mine = threading.local()          # scratch per thread (a race's copy runs on another)
+        self._mine = threading.local()          # scratch per thread: engines on two threads never share one
         self._int4 = None
         if int4 is not None:
             self._int4 = ((layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, int4[0])),

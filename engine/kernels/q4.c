@@ -147,5 +147,3 @@ void linear_q4_bf16(const uint16_t *x, int64_t ldx, const uint8_t *q, const uint
             else q4_rows(xs, K, xsum, q, scale, zero, bias, y, ldy, m0, mb, n, group);
         }
 }
-
-int q4_version(void) { return 1; }

@@ -11,7 +11,7 @@ and it computes every row as a lone row, whatever the row or thread count (q4.c 
 so an int4 model's verify passes are its one-token steps bit for bit.
 
 `LOCALCHAT_KERNELS=off` turns it off with the other kernels, `LOCALCHAT_INT4_KERNEL=off`
-alone (aten's int4 kernel then, whose packed layout a compiled step can trace)."""
+alone (aten's int4 kernel then)."""
 from __future__ import annotations
 
 import ctypes
@@ -24,7 +24,6 @@ from . import build, row_kernel
 
 SOURCE = "q4"
 GROUPS = (32, 64, 128, 256)
-VERSION = 1                  # q4.c's q4_version()
 
 _lib: list = []
 _state: list[str] = []

@@ -33,7 +33,6 @@ KERNELS = {
     torch.float32: ("linear_f32", _AVX512, _CPU),
 }
 MAX_ROWS = 65        # the widest verify pass models/rows.py probes (max_draft 64)
-VERSION = 4          # rows.c's kernel_version(): a compiled step's race records it (compile/proof.py)
 
 _fns: dict[torch.dtype, object] = {}
 _state: dict[torch.dtype, str] = {}    # dtype -> "" ready, else why not (absent: not tried yet)

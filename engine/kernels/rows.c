@@ -150,5 +150,3 @@ ROW_KERNEL(linear_bf16, uint16_t, __m512bh, 32, __mmask32, 0xffffffffu, BF16_LOA
            from_bf16, to_bf16)
 #endif
 ROW_KERNEL(linear_f32, float, __m512, 16, __mmask16, (__mmask16)0xffffu, F32_LOAD, F32_DOT, SAME, SAME)
-
-int kernel_version(void) { return 4; }

@@ -62,7 +62,7 @@ class LinearState:
             self.reset()
             return
         # copy_ into the tensors the layer holds: they keep their address (a captured graph
-        # or a compiled step may point at them)
+        # may point at them)
         for live, saved in zip((lay.conv_states[0], lay.recurrent_states[0]), snap):
             if saved is not None:
                 live.copy_(saved)

@@ -126,7 +126,7 @@ class LlamaFamilyForward(rows.KernelPasses):
         self.cache = cache
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
-        self.gqa = bool(self.heads != self.kv_heads)   # a plain bool: a compiled step must not see it symbolic
+        self.gqa = bool(self.heads != self.kv_heads)   # a plain bool: a traced graph must not see it symbolic
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
@@ -135,7 +135,7 @@ class LlamaFamilyForward(rows.KernelPasses):
         self._cos = self._sin = None
         self._scalar_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Which faster RMSNorm forms round as the reference on this machine, per width:
-        # decided before any pass (a compiled step's trace must not run the probe).
+        # decided before any pass (a traced graph must not run the probe).
         widths = {cfg.hidden_size, self.head_dim}
         self._fused_rms = {n: norms.fused_matches(n, self.eps, cache.device) for n in widths}
         self._sum_mean = {n: norms.sum_matches_mean(n, cache.device) for n in widths}

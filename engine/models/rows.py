@@ -22,7 +22,7 @@ On a CPU with AVX-512 (bfloat16: with AVX512-BF16) none of that is needed: one-t
 steps and verify passes run engine/kernels/row_kernel.py's kernel, which computes every
 row as a lone row is computed by construction, and reads the weights faster than torch's
 one-row product. The probe is then skipped: a prefill's products (torch's kernels) are
-not compared with any other pass's, and a traced graph never pads (compile/exported.py)."""
+not compared with any other pass's."""
 from __future__ import annotations
 
 from dataclasses import dataclass

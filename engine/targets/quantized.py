@@ -155,10 +155,6 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
         info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels)
         target = QuantizedTarget(cfg, device, act_dtype,
                                  dict(parts, rotary=rotary, scaling=skeleton.model.layers[0].self_attn.scaling), info)
-    # How to load this target again (from the cache just made: engine/compile/builder.py).
-    target.recipe = {"loader": "quantized", "path": str(path), "device": str(device), "weights": weights,
-                     "group_size": group_size, "act_dtype": str(act_dtype).removeprefix("torch."),
-                     "embeddings": embeddings, "cache_dir": str(cache_dir) if cache_dir else None}
     return target
 
 

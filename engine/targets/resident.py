@@ -22,8 +22,6 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
 
 
 class ResidentTarget:
-    compiled = None              # an engine.compile.step.CompiledStep once one is started
-    recipe: dict | None = None   # how to load it again (set by the loaders; engine/compile/builder.py)
 
     def __init__(self, model, device: torch.device, dtype: torch.dtype, fast: bool = True,
                  cache_capacity: int = 1024):
@@ -60,19 +58,8 @@ class ResidentTarget:
         [len(ids), vocab] with all_logits, else [1, vocab] for the last position."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(-1)
         pos, n = self.cache.length, ids.numel()
-        logits = None
-        if n == 1 and self.compiled is not None:
-            self.cache.reserve(1)
-            logits = self.compiled(ids, pos)          # None until it is ready (or if it gave up)
-        elif self.compiled is not None and (rows := self.compiled.pass_rows(n)) is not None \
-                and pos + rows <= self.cache.max_positions:
-            self.cache.reserve(rows)                  # the bucket's padding rows write there too
-            logits = self.compiled.run_pass(ids, pos, rows)
-            if logits is not None and not all_logits:
-                logits = logits[-1:]
-        if logits is None:
-            self.cache.reserve(n)
-            logits = self.impl(ids, pos, all_logits)
+        self.cache.reserve(n)
+        logits = self.impl(ids, pos, all_logits)
         self.cache.length = pos + ids.numel()
         return logits
 
@@ -126,7 +113,7 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
         # a mixture: its experts fused while they are read, one copy of the weights at any time
         from .module_exact import load_exact
         model = load_exact(path, config, device, dtype)
-        return _target(model, path, device, dtype, fast)
+        return ResidentTarget(model, device, dtype, fast=fast)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -148,12 +135,4 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
         what = f"tensor {missing[0]} is missing" if missing else f"tensor {info['mismatched_keys'][0]} has the wrong shape"
         raise CheckpointError(f"{path}: {what} in the weight files; re-download the model")
     model.to(device).eval()
-    return _target(model, path, device, dtype, fast)
-
-
-def _target(model, path: Path, device: torch.device, dtype: torch.dtype, fast: bool) -> ResidentTarget:
-    target = ResidentTarget(model, device, dtype, fast=fast)
-    # How to load this target again (a compile builds its package in a child process: engine/compile/builder.py).
-    target.recipe = {"loader": "resident", "path": str(path), "device": str(device),
-                     "dtype": str(dtype).removeprefix("torch."), "fast": fast}
-    return target
+    return ResidentTarget(model, device, dtype, fast=fast)

@@ -30,7 +30,7 @@ def timings(stats, profile: str | None) -> dict:
             "prefill_tokens": stats.prefill_tokens, "prefill_per_second": round(stats.prefill_tps, 2),
             "predicted_n": stats.generated_tokens, "decode_per_second": round(stats.decode_tps, 2),
             "tokens_per_pass": round(stats.tokens_per_pass, 3), "acceptance": round(stats.acceptance, 3),
-            "draft_k": stats.draft_k, "compiled_step": stats.compile_state, "profile": profile}
+            "draft_k": stats.draft_k, "profile": profile}
 
 
 def usage(stats) -> dict:
@@ -77,8 +77,6 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
     @app.get("/health")
     async def health():
         body = {"status": runner.state, "model": model_id, "queued": runner.queued()}
-        step = getattr(getattr(runner.engine, "target", None), "compiled", None)
-        body["compiled_step"] = step.state if step is not None else "off"     # off | compiling | ready | failed
         if runner.error:
             body["error"] = runner.error
         return JSONResponse(body, status_code=200 if runner.state == "ready" else 503)

@@ -2,8 +2,7 @@
 
 The engine loads on a thread of its own when the server starts (GET /health says loading,
 then ready). Answers run one after another on a single engine thread: one KV cache, one
-OpenMP team, and the compiled step that builds in the background pauses while an answer
-runs, as in the chat UI. Requests wait in a bounded queue (count and time); one that finds
+OpenMP team. Requests wait in a bounded queue (count and time); one that finds
 it full is refused at once (503 with Retry-After), one that waits too long is refused
 then. A job cancelled by its client (a closed connection) stops at the engine's next step.
 

@@ -109,7 +109,6 @@ class CommandHandlers:
 
     def _drafter_set(self) -> None:
         self.gauges.set_engine(self.engine.describe(), self.engine.plan, self.gauges.host_total)
-        self.status_bar.follow_compile(getattr(self.engine.target, "compiled", None))   # its passes may compile now
         self.notify(f"Drafter: {self.engine.describe()['drafter']}", timeout=3)
 
     async def command_stats(self, argument: str) -> None:

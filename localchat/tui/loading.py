@@ -71,7 +71,6 @@ class EngineLoading:
         status.context_max = int(description.get("context_max") or 0)
         status.activity = ""
         self.gauges.set_engine(description, eng.plan, hardware.host_total())
-        status.follow_compile(getattr(eng.target, "compiled", None))
 
     async def _load_failed(self, message: str) -> None:
         self._stop_loading_timer()

@@ -33,8 +33,6 @@ class StatusBar(Widget):
     activity: reactive[str] = reactive("")
     stats: reactive[Stats | None] = reactive(None)
     context_max: reactive[int] = reactive(0)
-    compile: reactive[str] = reactive("off")     # the compiled decode step: off | compiling | ready | failed
-    verify: reactive[str] = reactive("off")      # its verify passes: off | compiling | ready | failed
 
     def render(self) -> Text:
         line = Text(no_wrap=True, overflow="ellipsis")
@@ -50,12 +48,6 @@ class StatusBar(Widget):
         if getattr(s, "backend", ""):
             return self._backend(line, s)
         fields = [f"prefill {rate(s.prefill_tps)} · decode {rate(s.decode_tps)} tok/s"]
-        if self.compile == "compiling":
-            fields.append("compiling…")          # decoding eagerly meanwhile; the speed changes when it lands
-        elif self.compile == "ready":
-            fields[0] += " (compiled)"
-        if self.compile != "compiling" and self.verify == "compiling":
-            fields.append("compiling verify…")   # the verify passes follow the step
         if s.drafted_tokens:
             # Speculative decoding at work: tokens each target pass adds, how many drafts
             # the target kept, and the draft length chosen for the last round.
@@ -86,14 +78,6 @@ class StatusBar(Widget):
             line.append(_SEP, style="dim")
             line.append(field)
         return line
-
-    def follow_compile(self, step) -> None:
-        """Show a background compile's state (engine.compile.step.CompiledStep, or None), polled
-        until it ends: it lands between answers as often as during one."""
-        self.compile = step.state if step is not None else "off"
-        self.verify = step.passes_state if step is not None else "off"
-        if step is not None and "compiling" in (self.compile, self.verify):
-            self.set_timer(1.0, lambda: self.follow_compile(step))
 
     @property
     def text(self) -> str:
