@@ -31,19 +31,14 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[dev,bench]"
 	$(BIN)/python benchmarks/decode.py
 	$(BIN)/python benchmarks/decode.py --dtypes "" --formats "" --drafter --out benchmarks/results/decode-drafter.json
-	$(BIN)/python benchmarks/step_pages.py
-	$(BIN)/python benchmarks/oneshot_start.py
 	$(BIN)/python benchmarks/speculative.py
 	$(BIN)/python benchmarks/speculative.py --dtype bfloat16 --no-model-drafter --out benchmarks/results/speculative-bf16.json
 	$(BIN)/python benchmarks/speculative.py --drafter-weights int4 --out benchmarks/results/speculative-self-int4.json
 	$(BIN)/python benchmarks/streamed.py
-	$(BIN)/python benchmarks/streamed_compiled.py
 	$(BIN)/python benchmarks/quantized.py
 	$(BIN)/python benchmarks/fidelity.py
 	$(BIN)/python benchmarks/tui_latency.py
-	$(BIN)/python benchmarks/compile_probe.py
-	$(BIN)/python benchmarks/compile_probe.py --no-prepack --out benchmarks/results/compile_probe-noprepack.json
-	$(BIN)/python benchmarks/verify.py
+	$(BIN)/python benchmarks/peers.py
 	$(BIN)/python benchmarks/report.py
 
 clean:

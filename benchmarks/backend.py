@@ -7,7 +7,7 @@ measured at the client, and the server's own decode tok/s where it reports one.
 
 Weights: the demo model; llama.cpp reads an F32 GGUF written from the demo's Q4_1 file by
 dequantizing every tensor (benchmarks/gguf_formats.py), localchat the same dequantized
-weights (float32, its compiled step: the server waits until it is ready).
+weights (float32).
 
     python benchmarks/backend.py [--rounds 5] [--tokens 128]
 """
@@ -70,9 +70,9 @@ def start_ours() -> tuple[subprocess.Popen, str]:
         raise SystemExit("localchat serve did not start")
     url = f"http://127.0.0.1:{m.group(1)}/v1"
     deadline = time.time() + 900
-    while True:                          # ready, and its compiled step loaded or built
+    while True:
         h = health(url.removesuffix("/v1") + "/health")
-        if h and h.get("status") == "ready" and h.get("compiled_step") in ("ready", "failed", "off"):
+        if h and h.get("status") == "ready":
             return proc, url
         if proc.poll() is not None or time.time() > deadline:
             raise SystemExit("localchat serve did not get ready")

@@ -1,11 +1,11 @@
 """Decode speed on the demo model: our engine against Hugging Face generate(), same
 weights, same dtype, same threads, same run; plus time to first token on turn 1 and
-turn 5 of a chat. Rows per dtype for the exact weights (eager, and the compiled step),
-and per quantized format (int8, int4 g32; bf16 activations where native), eager and
-compiled, against float32 generate() in the same run. Writes JSON (median of --runs runs).
+turn 5 of a chat. Rows per dtype for the exact weights (the engine's step, and its
+generic forward), and per quantized format (int8, int4 g32; bf16 activations where
+native), against float32 generate() in the same run. Writes JSON (median of --runs runs).
 
     python benchmarks/decode.py [--runs 5] [--tokens 128] [--dtypes float32,bfloat16]
-                                [--formats int8,int4] [--no-compile]
+                                [--formats int8,int4] [--drafter]
 """
 from __future__ import annotations
 
@@ -87,10 +87,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--formats", default="int8,int4",
-                    help="quantized formats to measure ('' for none): eager and compiled, against float32 generate()")
-    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-step rows (each compiles for minutes)")
+                    help="quantized formats to measure ('' for none), against float32 generate()")
     ap.add_argument("--drafter", action="store_true",
-                    help="also the float32 target with its int4 self-drafter, eager against both steps compiled")
+                    help="also the float32 target with its int4 self-drafter, against the same target alone")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -109,16 +108,6 @@ def main() -> None:
             "ours": lambda: ours_once(eng, args.tokens),
             "generic": lambda: ours_once(generic, args.tokens),
         }
-        comp = None
-        if not args.no_compile:
-            # The engine's compiled decode step (engine/compile/step.py), waited for here; in
-            # the chat it lands in the background while the first answers run eagerly.
-            eager_ttft = first_token_seconds(engine.open(dtype=dtype, drafter="none"))
-            comp = engine.open(dtype=dtype, drafter="none", compile="on", cache_dir=fresh_cache())
-            cold_ttft = first_token_seconds(comp)      # a first answer while the compile waits behind it
-            comp.stop_ids = frozenset()
-            comp.target.compiled.wait()
-            contenders["compiled"] = lambda: ours_once(comp, args.tokens)
         bw = read_bandwidth()
         m = interleaved(args.runs, contenders)
         bw = median([bw, read_bandwidth()])
@@ -127,12 +116,6 @@ def main() -> None:
                "generate_tps": m["generate"], "ours_tps": m["ours"],
                "ours_generic_forward_tps": m["generic"], "speedup_vs_generate": m["ours"] / m["generate"],
                "generic_speedup_vs_generate": m["generic"] / m["generate"]}
-        if comp is not None:
-            row.update(compiled_fields(comp.target.compiled, m, "ours"),
-                       compiled_speedup_vs_generate=m["compiled"] / m["generate"])
-            row["starts"] = dict(eager_ttft_s=eager_ttft, cold_compile_ttft_s=cold_ttft, **warm_start(
-                dict(dtype=dtype, drafter="none"), comp.target.compiled.cache_dir.parent.parent))
-        comp = None
         if dtype == "float32":
             row["ttft"] = ttft_turns(eng, max(1, args.runs // 2))
         result["rows"].append(row)
@@ -156,45 +139,30 @@ def spec_once(eng, tokens: int) -> tuple[float, float, float]:
 
 
 def drafter_row(args) -> dict:
-    """The float32 target drafted for by its own int4 copy: eager, and with both decode
-    steps compiled (the target's, then the drafter's), against float32 generate()."""
+    """The float32 target drafted for by its own int4 copy, against the same target alone
+    and float32 generate()."""
     from transformers import AutoModelForCausalLM
-    kw = dict(dtype="float32", drafter="model", draft_model="self")
-    eng = engine.open(**kw)
-    comp = engine.open(compile="on", cache_dir=fresh_cache(), **kw)
-    for e in (eng, comp):
+    eng = engine.open(dtype="float32", drafter="model", draft_model="self")
+    plain = engine.open(dtype="float32", drafter="none")
+    for e in (eng, plain):
         e.stop_ids = frozenset()
-    comp.target.compiled.wait()
-    comp.drafter.target.compiled.wait()
-    # The same compiled target without a drafter (it loads the package just built): what
-    # drafting has to beat.
-    plain = engine.open(dtype="float32", drafter="none", compile="on",
-                        cache_dir=comp.target.compiled.cache_dir.parent.parent)
-    plain.stop_ids = frozenset()
-    plain.target.compiled.wait()
     ids = torch.tensor([render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])])
     ref = AutoModelForCausalLM.from_pretrained(eng.checkpoint.path, dtype=torch.float32).eval()
-    samples = {"generate": [], "eager": [], "compiled": [], "compiled_plain": []}
+    samples = {"generate": [], "drafted": [], "plain": []}
     for _ in range(args.runs + 1):                     # the first round warms up
         samples["generate"].append((generate_once(ref, ids, args.tokens), 1.0, 0.0))
-        samples["eager"].append(spec_once(eng, args.tokens))
-        samples["compiled"].append(spec_once(comp, args.tokens))
-        samples["compiled_plain"].append(spec_once(plain, args.tokens))
+        samples["drafted"].append(spec_once(eng, args.tokens))
+        samples["plain"].append(spec_once(plain, args.tokens))
     m = {k: [median([x[i] for x in v[1:]]) for i in range(3)] for k, v in samples.items()}
     return {"weights": "float32 target + int4 self-drafter", "generate_float32_tps": m["generate"][0],
-            "eager_tps": m["eager"][0], "eager_tokens_per_pass": m["eager"][1], "eager_acceptance": m["eager"][2],
-            "compiled_tps": m["compiled"][0], "compiled_tokens_per_pass": m["compiled"][1],
-            "compiled_acceptance": m["compiled"][2], "compiled_speedup_vs_eager": m["compiled"][0] / m["eager"][0],
-            "compiled_vs_generate_float32": m["compiled"][0] / m["generate"][0],
-            "compiled_plain_tps": m["compiled_plain"][0], "plain_source": plain.target.compiled.source,
-            "compiled_vs_compiled_plain": m["compiled"][0] / m["compiled_plain"][0],
-            "states": [comp.target.compiled.state, comp.drafter.target.compiled.state],
-            "compile_seconds": [comp.target.compiled.seconds, comp.drafter.target.compiled.seconds]}
+            "drafted_tps": m["drafted"][0], "tokens_per_pass": m["drafted"][1], "acceptance": m["drafted"][2],
+            "plain_tps": m["plain"][0], "drafted_vs_plain": m["drafted"][0] / m["plain"][0],
+            "drafted_vs_generate_float32": m["drafted"][0] / m["generate"][0]}
 
 
 def quantized_row(fmt: str, args) -> dict:
-    """A quantized target (bf16 activations where native), eager and compiled, against
-    float32 generate() in the same interleaved run."""
+    """A quantized target (bf16 activations where native) against float32 generate() in
+    the same interleaved run."""
     from transformers import AutoModelForCausalLM
     eng = engine.open(profile=f"resident-{fmt}", drafter="none")
     eng.stop_ids = frozenset()
@@ -202,12 +170,6 @@ def quantized_row(fmt: str, args) -> dict:
     ref = AutoModelForCausalLM.from_pretrained(eng.checkpoint.path, dtype=torch.float32).eval()
     contenders = {"generate": lambda: generate_once(ref, ids, args.tokens),
                   "eager": lambda: ours_once(eng, args.tokens)}
-    comp = None
-    if not args.no_compile:
-        comp = engine.open(profile=f"resident-{fmt}", drafter="none", compile="on", cache_dir=fresh_cache())
-        comp.stop_ids = frozenset()
-        comp.target.compiled.wait()
-        contenders["compiled"] = lambda: ours_once(comp, args.tokens)
     bw = read_bandwidth()
     m = interleaved(args.runs, contenders)
     bw = median([bw, read_bandwidth()])
@@ -217,9 +179,6 @@ def quantized_row(fmt: str, args) -> dict:
            "act_dtype": str(q.act_dtype).replace("torch.", ""),
            "generate_float32_tps": m["generate"], "eager_tps": m["eager"],
            "eager_vs_generate_float32": m["eager"] / m["generate"]}
-    if comp is not None:
-        row.update(compiled_fields(comp.target.compiled, m, "eager"),
-                   compiled_vs_generate_float32=m["compiled"] / m["generate"])
     return row
 
 
@@ -230,50 +189,6 @@ def bound_fields(bandwidth: float, weight_bytes: int, m: dict) -> dict:
     out = {"bandwidth_gbps": bandwidth / 1e9, "weight_bytes": weight_bytes, "bound_tps": bound}
     out.update({f"{k}_vs_bound": v / bound for k, v in m.items() if k != "generate"})
     return out
-
-
-def fresh_cache() -> Path:
-    """An empty cache directory: a compiled row's compile is cold (nothing from an
-    earlier run or from the user's own cache)."""
-    import tempfile
-    return Path(tempfile.mkdtemp(prefix="localchat-bench-cache-"))
-
-
-def first_token_seconds(eng) -> float:
-    """Time to the first token of a new engine's first answer."""
-    t = time.perf_counter()
-    events = eng.chat().send(PROMPT, max_new_tokens=8)
-    for ev in events:
-        if isinstance(ev, engine.TextDelta):
-            break
-    took = time.perf_counter() - t
-    list(events)
-    return took
-
-
-def warm_start(kw: dict, cache_dir: Path, runs: int = 3) -> dict:
-    """A start that finds the package a cold start left: how long the model takes to
-    open, and how long after that the compiled step is live (median of `runs`)."""
-    opens, live = [], []
-    for _ in range(runs):
-        t = time.perf_counter()
-        e = engine.open(compile="on", cache_dir=cache_dir, **kw)
-        opens.append(time.perf_counter() - t)
-        step = e.target.compiled
-        assert step.wait(600) and step.source == "cache", (step.state, step.source, step.notes)
-        live.append(time.perf_counter() - t - opens[-1])
-        e = step = None
-    return {"warm_open_s": median(opens), "warm_compiled_live_after_open_s": median(live)}
-
-
-def compiled_fields(step, m: dict, eager: str) -> dict:
-    """What a row says of a compiled contender: how its compile went and its speed
-    against the eager contender `eager` of the same run."""
-    return {"compiled_state": step.state, "compile_seconds": step.seconds, "compile_mode": step.mode,
-            "compile_source": step.source, "built_in": step.built_in, "compile_notes": step.notes,
-            "check_error": step.check_error,
-            "compile_error": step.error, "compiled_tps": m["compiled"],
-            "compiled_speedup_vs_eager": m["compiled"] / m[eager]}
 
 
 if __name__ == "__main__":

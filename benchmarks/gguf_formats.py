@@ -1,19 +1,21 @@
 """GGUF files of the same weights in other formats, for llama.cpp: every tensor of a GGUF
-dequantized (gguf-py's own dequantize) and written back as F32 or BF16, metadata copied.
+dequantized (gguf-py's own dequantize) and written back as F32, BF16 or Q8_0, metadata
+copied.
 
 Our engine loads the demo's Q4_1 GGUF through transformers, which dequantizes it with the
 same gguf-py code: a float32 (bf16) run of ours and llama.cpp on the F32 (BF16) file read
 exactly the same weights.
 
-    python benchmarks/gguf_formats.py SOURCE.gguf OUT_DIR      # writes <name>-F32.gguf, <name>-BF16.gguf
+    python benchmarks/gguf_formats.py SOURCE.gguf OUT_DIR      # writes <name>-F32.gguf, -BF16, -Q8_0
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-FORMATS = ("F32", "BF16")
-_FILE_TYPE = {"F32": 0, "BF16": 32, "Q4_1": 3}   # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_BF16 / MOSTLY_Q4_1
+FORMATS = ("F32", "BF16", "Q8_0")
+# llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_BF16 / MOSTLY_Q4_1 / MOSTLY_Q8_0
+_FILE_TYPE = {"F32": 0, "BF16": 32, "Q4_1": 3, "Q8_0": 7}
 
 
 def write(source: Path, out: Path, fmt: str) -> Path:

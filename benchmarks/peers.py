@@ -1,16 +1,14 @@
 """Ours against llama.cpp on the same weights, same prompt tokens, same threads, one run
-(issue 23's table, reproducible): the demo model in float32, bf16 and 4-bit.
+(issue 23's table, reproducible): the demo model in float32, bf16, 8-bit and 4-bit.
 
 - llama.cpp: llama-cpp-python (the `bench` extra; it compiles llama.cpp from source) on
   the demo's own Q4_1 GGUF and on F32/BF16 GGUFs written from it by dequantizing every
   tensor (benchmarks/gguf_formats.py), so every row reads the same weights;
 - ours: the engine API on the same Q4_1 file, float32 / bf16 (the same dequantized
-  weights) and resident-int4 (int4, groups of 32, quantized from them), each with compiling
-  on (a compiled step built here if this machine has none yet, on a quiet machine, raced
-  and proven before anything is timed: engine/compile/proof.py; a step that loses its race,
-  and int4 in the form localchat's own kernel reads, decode eagerly); float32 and bf16
-  eager (what a one-shot answer without a built step gets); and each eager step with its
-  layers run as torch operations (the layer kernel's share: engine/kernels/layer.c).
+  weights), resident-int8 (per channel) and resident-int4 (groups of 32), quantized from
+  them, as a chat runs
+  them; and each with its layers run as torch operations (the layer kernel's share:
+  engine/kernels/layer.c).
 
 llama.cpp on a CPU with AMX: llama-cpp-python's default (native) build died with SIGILL in
 its AMX int8 path on the Q4_1 model on the 2-core VM. Build it without AMX there:
@@ -23,7 +21,7 @@ both as the same token ids; greedy; up to --tokens new tokens (both stop at EOS)
 tok/s is prompt tokens over the time to the first logits, decode tok/s the rest. Every
 contender runs once per round, rounds interleaved; medians of --rounds.
 
-    python benchmarks/peers.py [--rounds 6] [--tokens 128] [--only f32,bf16,q4]
+    python benchmarks/peers.py [--rounds 6] [--tokens 128] [--only f32,bf16,q8,q4]
 """
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine  # noqa: E402
 from common import machine, median, read_bandwidth, write_json  # noqa: E402
 from engine import checkpoint  # noqa: E402
-from engine.compile import worker  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."     # workloads.jsonl: fibonacci
@@ -48,10 +45,9 @@ PROMPT = "Write a Python function that returns the n-th Fibonacci number."     #
 ROWS = {
     "f32": ({"dtype": "float32"}, "F32"),
     "bf16": ({"dtype": "bfloat16"}, "BF16"),
+    "q8": ({"profile": "resident-int8"}, "Q8_0"),
     "q4": ({"profile": "resident-int4"}, "Q4_1"),
 }
-
-EAGER_ROWS = {"f32", "bf16"}     # also timed without the compiled step (the row kernels' rows)
 
 
 def llama_once(llm, ids: list[int], tokens: int, eos: int) -> tuple[float, float, int]:
@@ -79,28 +75,15 @@ def ours_once(eng, tokens: int) -> tuple[float, float, int]:
     return s.prefill_tps, s.decode_tps, s.generated_tokens
 
 
-def open_ours(kw: dict, cache_dir: Path, compiled: bool):
-    eng = engine.open(drafter="none", compile="on" if compiled else "off", cache_dir=cache_dir, **kw)
-    step = eng.target.compiled
-    if compiled and step is not None:      # None: no step for this target (eng.compile_note says why)
-        if not step.wait(3600) and not any("decoding eagerly" in n for n in step.notes):
-            raise SystemExit(f"{kw}: the compiled step is not ready ({step.state}: {step.error})")
-        # Its race (and a rebuild, if it fell short) before any timing; a step slower than
-        # eager is dropped then (engine/compile/proof.py eager_wins), and eager is what runs.
-        step.wait_proven(1800)
-    return eng
+def open_ours(kw: dict, cache_dir: Path):
+    return engine.open(drafter="none", cache_dir=cache_dir, **kw)
 
 
 def decoded_by(eng) -> dict:
-    """What ran our decode steps with compiling on: the compiled step, or the eager one
-    (its race lost, or none is built for this target) and which kernels that ran."""
-    step = eng.target.compiled
+    """Which kernels ran our decode steps."""
     impl = eng.target.impl
-    eager = ("layer kernel" if getattr(impl, "_stack", None) is not None
-             else "row kernel" if getattr(getattr(impl, "rows", None), "kernel", False) else "torch")
-    return {"ours_decodes": "compiled" if step is not None and step.state == "ready" else f"eager ({eager})",
-            "step_proof": step.proof if step is not None else None,
-            "step_notes": step.notes if step is not None else [eng.compile_note or ""]}
+    return {"ours_decodes": "layer kernel" if getattr(impl, "_stack", None) is not None
+            else "row kernel" if getattr(getattr(impl, "rows", None), "kernel", False) else "torch"}
 
 
 def interleaved(contenders: dict, ids: list[int], tokens: int, eos: int, rounds: int):
@@ -131,7 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--only", default=",".join(ROWS), help="rows: f32,bf16,q4")
+    ap.add_argument("--only", default=",".join(ROWS), help="rows: f32,bf16,q8,q4")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "peers.json"))
     args = ap.parse_args()
     try:
@@ -148,16 +131,14 @@ def main() -> None:
     contenders = {}
     for r in rows:
         kw, fmt = ROWS[r]
-        contenders[f"ours {r} compiled"] = (ours_once, open_ours(kw, cache, True))
+        contenders[f"ours {r}"] = (ours_once, open_ours(kw, cache))
         llm = Llama(model_path=str(files[fmt]), n_ctx=1024, n_batch=512, n_threads=threads,
                     n_threads_batch=threads, verbose=False)
         contenders[f"llama.cpp {fmt}"] = (llama_once, llm)
-    for r in EAGER_ROWS & set(rows):        # what an answer gets with no built step
-        contenders[f"ours {r} eager"] = (ours_once, open_ours(ROWS[r][0], cache, False))
     for r in rows:
-        # The layer kernel's share, in the same run: the eager step with every layer run as
-        # torch operations (around the same row and int4 kernels), as before it existed.
-        eng = open_ours(ROWS[r][0], cache, False)
+        # The layer kernel's share, in the same run: the step with every layer run as torch
+        # operations (around the same row and int4 kernels).
+        eng = open_ours(ROWS[r][0], cache)
         if getattr(eng.target.impl, "_stack", None) is not None:
             eng.target.impl._stack = None
             contenders[f"ours {r} torch ops"] = (ours_once, eng)
@@ -165,23 +146,16 @@ def main() -> None:
     ids = render_prompt(tok, [{"role": "user", "content": PROMPT}])
     eos = tok.eos_token_id
 
-    while worker.busy():                 # nothing of ours runs in the background while timing
-        time.sleep(0.5)
-
     samples, (bw_before, bw_after), fig = interleaved(contenders, ids, args.tokens, eos, args.rounds)
     out_rows = []
     for r in rows:
         fmt = ROWS[r][1]
-        ours, peer = fig(f"ours {r} compiled"), fig(f"llama.cpp {fmt}")
-        eng = contenders[f"ours {r} compiled"][1]
+        ours, peer = fig(f"ours {r}"), fig(f"llama.cpp {fmt}")
+        eng = contenders[f"ours {r}"][1]
         row = {"row": r, "llama_format": fmt, "ours": ours, "llama_cpp": peer,
                "decode_ratio": round(ours["decode_tps"] / peer["decode_tps"], 3),
                "prefill_ratio": round(ours["prefill_tps"] / peer["prefill_tps"], 3),
                **decoded_by(eng)}
-        if r in EAGER_ROWS:
-            eager = fig(f"ours {r} eager")
-            row["ours_eager"] = eager
-            row["eager_decode_ratio"] = round(eager["decode_tps"] / peer["decode_tps"], 3)
         if f"ours {r} torch ops" in contenders:
             ops = fig(f"ours {r} torch ops")
             row["ours_torch_ops"] = ops

@@ -8,9 +8,8 @@ checkpoint with random bf16 weights (seeded), built with transformers and saved 
 Qwen3's 151936: no Qwen3 tokenizer can be fetched here), so it has 1.5 B parameters rather
 than 1.7 B. llama.cpp reads GGUFs written from it: F32 (tests/gguf_writer.py: gguf-py's
 own tensor names), then BF16 and Q4_1 from that (benchmarks/gguf_formats.py); ours the
-checkpoint itself in bf16, and int4 in groups of 32 quantized from it, each with its
-compiled step (built here once, proven before timing). Same prompt token ids, greedy,
-2 threads each, interleaved rounds, medians.
+checkpoint itself in bf16, and int4 in groups of 32 quantized from it. Same prompt token
+ids, greedy, 2 threads each, interleaved rounds, medians.
 
     python benchmarks/peers_shape.py [--rounds 3] [--tokens 64] [--only bf16,q4]
 """
@@ -30,7 +29,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from common import demo_tokenizer, machine, write_json  # noqa: E402
 from engine import checkpoint  # noqa: E402
-from engine.compile import worker  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
 from peers import PROMPT, decoded_by, interleaved, llama_once, open_ours, ours_once  # noqa: E402
 
@@ -73,8 +71,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--only", default=",".join(ROWS))
-    ap.add_argument("--compile", choices=("on", "off"), default="on",
-                    help="off: ours without a compiled step (its 1.5 B build takes many minutes on two cores)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peers_shape.json"))
     args = ap.parse_args()
     from llama_cpp import Llama, __version__ as llama_version
@@ -91,26 +87,23 @@ def main() -> None:
     for r in rows:
         kw, fmt = ROWS[r]
         t0 = time.perf_counter()
-        contenders[f"ours {r} compiled"] = (ours_once, open_ours({"model": str(hf), **kw}, cache,
-                                                                 args.compile == "on"))
+        contenders[f"ours {r}"] = (ours_once, open_ours({"model": str(hf), **kw}, cache))
         print(f"ours {r}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
         contenders[f"llama.cpp {fmt}"] = (llama_once, Llama(model_path=str(files[fmt]), n_ctx=1024, n_batch=512,
                                                             n_threads=threads, n_threads_batch=threads,
                                                             verbose=False))
     tok = next(e for f, e in contenders.values() if f is ours_once).tokenizer
     ids = render_prompt(tok, [{"role": "user", "content": PROMPT}])
-    while worker.busy():
-        time.sleep(0.5)
 
     samples, (bw_before, bw_after), fig = interleaved(contenders, ids, args.tokens, -1, args.rounds)
     out_rows = []
     for r in rows:
         fmt = ROWS[r][1]
-        ours, peer = fig(f"ours {r} compiled"), fig(f"llama.cpp {fmt}")
+        ours, peer = fig(f"ours {r}"), fig(f"llama.cpp {fmt}")
         row = {"row": r, "llama_format": fmt, "ours": ours, "llama_cpp": peer,
                "decode_ratio": round(ours["decode_tps"] / peer["decode_tps"], 3),
                "prefill_ratio": round(ours["prefill_tps"] / peer["prefill_tps"], 3),
-               **decoded_by(contenders[f"ours {r} compiled"][1])}
+               **decoded_by(contenders[f"ours {r}"][1])}
         out_rows.append(row)
         print(f"{r:5s} ({row['ours_decodes']}) decode ours {ours['decode_tps']:6.2f} llama.cpp {peer['decode_tps']:6.2f} "
               f"({row['decode_ratio']:.2f}x)  prefill ours {ours['prefill_tps']:6.0f} "
@@ -118,7 +111,7 @@ def main() -> None:
     write_json(args.out, {
         "benchmark": "peers_shape", "model": "Qwen3-1.7B shape, Llama family, random bf16, demo tokenizer",
         "shape": SHAPE, "prompt": PROMPT, "prompt_tokens": len(ids), "max_new_tokens": args.tokens,
-        "rounds": args.rounds, "threads": threads, "llama_cpp_python": llama_version, "compile": args.compile,
+        "rounds": args.rounds, "threads": threads, "llama_cpp_python": llama_version,
         "bandwidth_gbps": [round(bw_before / 1e9, 1), round(bw_after / 1e9, 1)], "machine": machine(),
         "rows": out_rows, "samples": {k: [list(map(lambda v: round(v, 2), x)) for x in s] for k, s in samples.items()}})
     print("wrote", args.out)

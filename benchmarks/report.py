@@ -8,34 +8,19 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def decode_table(d: dict) -> str:
-    """One row per exact dtype and per quantized format: eager and compiled, against
-    float32 (or same-dtype) generate() and the bandwidth bound of the same run."""
-    lines = ["| weights | `generate()` tok/s | localchat eager tok/s | vs `generate()` | compiled step tok/s "
-             "| vs eager | vs `generate()` | bound tok/s (GB/s) | compiled vs bound | build s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """One row per exact dtype and per quantized format, against float32 (or same-dtype)
+    generate() and the bandwidth bound of the same run."""
+    lines = ["| weights | `generate()` tok/s | localchat tok/s | vs `generate()` | bound tok/s (GB/s) | vs bound |",
+             "|---|---|---|---|---|---|"]
     for r in d["rows"]:
+        if "drafted_tps" in r:
+            continue
         name = r.get("dtype") or f"{r['weights']} ({r['act_dtype']} act.; vs float32 `generate()`)"
         gen = r.get("generate_tps") or r["generate_float32_tps"]
-        eager = r.get("ours_tps") or r["eager_tps"]
-        line = f"| {name} | {gen:.1f} | **{eager:.1f}** | {eager / gen:.2f}× |"
-        if "compiled_tps" in r:
-            line += (f" **{r['compiled_tps']:.1f}** | {r['compiled_speedup_vs_eager']:.2f}× | "
-                     f"**{r['compiled_tps'] / gen:.2f}×** |")
-        else:
-            line += " – | – | – |"
-        if "bound_tps" in r:
-            line += f" {r['bound_tps']:.1f} ({r['bandwidth_gbps']:.1f}) | {r.get('compiled_vs_bound', 0):.2f}× |"
-        else:
-            line += " – | – |"
-        line += f" {r['compile_seconds']:.0f} |" if "compile_seconds" in r else " – |"
-        lines.append(line)
-    starts = [(r["dtype"], r["starts"]) for r in d["rows"] if "starts" in r]
-    if starts:
-        lines += ["", "| dtype | first token, eager engine | first token, cold start (build behind it) "
-                  "| warm start: model open | then compiled step live after |", "|---|---|---|---|---|"]
-        for name, s in starts:
-            lines.append(f"| {name} | {s['eager_ttft_s'] * 1000:.0f} ms | {s['cold_compile_ttft_s'] * 1000:.0f} ms | "
-                         f"{s['warm_open_s']:.1f} s | **{s['warm_compiled_live_after_open_s']:.1f} s** |")
+        ours = r.get("ours_tps") or r["eager_tps"]
+        share = r.get("ours_vs_bound") or r.get("eager_vs_bound", 0)
+        lines.append(f"| {name} | {gen:.1f} | **{ours:.1f}** | {ours / gen:.2f}× | "
+                     f"{r['bound_tps']:.1f} ({r['bandwidth_gbps']:.1f}) | {share:.2f}× |")
     ttft = next((r["ttft"] for r in d["rows"] if "ttft" in r), None)
     if ttft:
         lines.append("")
@@ -97,28 +82,10 @@ def streamed_table(d: dict) -> str:
     return "\n".join(lines)
 
 
-def verify_table(d: dict) -> str:
-    eager, fast = d["pass_ms"]["eager"], d["pass_ms"]["compiled"]
-    race = d["ready"].get("race_ms", {})
-    lines = ["| positions in the pass | " + " | ".join(eager) + " |", "|---|" + "---|" * len(eager),
-             "| eager pass, ms | " + " | ".join(f"{v:.0f}" for v in eager.values()) + " |",
-             "| compiled (bucket, padded), ms | " + " | ".join(f"{v:.0f}" for v in fast.values()) + " |",
-             "", f"Race at build/load time (eager / compiled ms): "
-             + ", ".join(f"{r} rows {x['eager']:.0f} / {x['compiled']:.0f}" for r, x in race.items())
-             + f"; live: {d['ready']['buckets'] or 'none'}.", "",
-             "| workload | plain (compiled step) tok/s | n-gram, eager verify | n-gram, compiled verify | "
-             "compiled / eager verify | tok/pass | identical |", "|---|---|---|---|---|---|---|"]
-    for r in d["rows"]:
-        same = all(r[k]["identical"] for k in ("eager", "compiled"))
-        lines.append(f"| {r['id']} | {r['plain']['tps']:.1f} | {r['eager']['tps']:.1f} | {r['compiled']['tps']:.1f} | "
-                     f"{r['compiled_vs_eager_verify']:.2f}× | {r['compiled']['tokens_per_pass']:.2f} | "
-                     f"{'yes' if same else 'NO'} |")
-    return "\n".join(lines)
-
-
 def peers_table(d: dict) -> str:
     """Ours against llama.cpp on the same weights (benchmarks/peers.py): the README's headline."""
-    names = {"f32": "float32", "bf16": "bfloat16", "q4": "4-bit (ours int4 g32, llama.cpp Q4_1)"}
+    names = {"f32": "float32", "bf16": "bfloat16", "q8": "8-bit (ours int8 per channel, llama.cpp Q8_0)",
+             "q4": "4-bit (ours int4 g32, llama.cpp Q4_1)"}
     lines = ["| weights | decode tok/s: localchat | llama.cpp | **ratio** | prefill tok/s: localchat | llama.cpp "
              "| **ratio** |", "|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
@@ -126,19 +93,13 @@ def peers_table(d: dict) -> str:
         lines.append(f"| {names.get(r['row'], r['row'])} | {o['decode_tps']:.1f} | {p['decode_tps']:.1f} | "
                      f"**{r['decode_ratio']:.2f}×** | {o['prefill_tps']:.0f} | {p['prefill_tps']:.0f} | "
                      f"**{r['prefill_ratio']:.2f}×** |")
-        if "ours_eager" in r:
-            e = r["ours_eager"]
-            lines.append(f"| float32, eager (no built step) | {e['decode_tps']:.1f} | {p['decode_tps']:.1f} | "
-                         f"{r['eager_decode_ratio']:.2f}× | {e['prefill_tps']:.0f} | {p['prefill_tps']:.0f} | "
-                         f"{e['prefill_tps'] / p['prefill_tps']:.2f}× |")
     return "\n".join(lines)
 
 
 def main() -> None:
     for name, render in (("peers.json", peers_table), ("decode.json", decode_table), ("speculative.json", speculative_table),
                          ("speculative-bf16.json", speculative_table),
-                         ("speculative-self-int4.json", speculative_table), ("streamed.json", streamed_table),
-                         ("verify.json", verify_table)):
+                         ("speculative-self-int4.json", speculative_table), ("streamed.json", streamed_table)):
         path = RESULTS / name
         if path.is_file():
             d = json.loads(path.read_text())

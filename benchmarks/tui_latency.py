@@ -7,9 +7,8 @@
   callback scheduled every 10 ms (its oversleep: what a keypress or a repaint waits for
   when the decoding thread holds the interpreter), and how long each batch of streamed
   text takes to be drawn.
-- **Decode speed** in the UI against the bare engine on the same prompt and the same
-  compiled step (`--compile cached`, the default, loads the package an earlier start built;
-  `off` decodes eagerly): what drawing costs the model. A bare answer runs before each of
+- **Decode speed** in the UI against the bare engine on the same prompt: what drawing
+  costs the model. A bare answer runs before each of
   the UI's answers, on the app's own engine thread (the same OpenMP team: a second team on
   another thread would be throttled by the first), with the UI idle; the ratio is the
   median of each UI answer over the bare one just before it, so the memory's drifting read
@@ -178,19 +177,11 @@ def main() -> int:
     p.add_argument("--model", default=None, help="default: the demo model")
     p.add_argument("--flush", type=float, default=None,
                    help="seconds between UI updates while streaming (default: the app's FLUSH_SECONDS)")
-    p.add_argument("--compile", default="cached", choices=("cached", "on", "off"),
-                   help="the compiled step: cached (load one built earlier), on (build it if missing), off")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "tui_latency.json"))
     args = p.parse_args()
     if args.flush is not None:
         stream_module.FLUSH_SECONDS = args.flush
-    eng = in_thread(lambda: engine.open(args.model, compile=args.compile))
-    step = eng.target.compiled
-    if step is not None:
-        in_thread(lambda: (step.wait(3600), step.wait_proven(1800)))
-        from engine.compile import worker
-        while worker.busy():             # nothing of ours in the background while timing
-            time.sleep(0.5)
+    eng = in_thread(lambda: engine.open(args.model))
     eng.stop_ids = frozenset()       # answers run until Esc
     raw = asyncio.run(measure(eng, args.runs, max_tokens=2000, bare_tokens=96))
     bare = raw["bare_tps"]
@@ -213,7 +204,6 @@ def main() -> int:
         "decode_tps": {"bare_engine": round(median(bare), 1), "in_ui": round(median(raw["ui_decode_tps"]), 1),
                        "ratio": round(median(ratios), 3), "ratio_each": [round(r, 3) for r in ratios],
                        "bare_each": [round(x, 1) for x in bare], "ui_each": [round(x, 1) for x in raw["ui_decode_tps"]]},
-        "compiled_step": step.state if step is not None else "off",
         "flush_seconds": stream_module.FLUSH_SECONDS,
         "target_esc_to_stop_ms": 200,
     }
