@@ -294,6 +294,10 @@ def _kernel_text() -> str:
         lines.append(f"Layer kernels ({', '.join(ready)}): a resident Llama-family model's one-token steps and "
                      "verify passes run all its layers in one call")
     lines += [f"Layer kernel ({d}): not used, {why}" for d, why in layers.items() if why and not kernels.get(d)]
+    from engine.kernels import q8_kernel
+    why = q8_kernel.why_not()
+    lines.append("Int8 kernel: int8 weights are read as stored, whole layers in one call" if not why
+                 else f"Int8 kernel: not used, {why}; aten's int8 kernel instead")
     why = _int4_kernel()
     lines.append("Int4 kernel: int4 weights are read in their own form, whole layers in one call" if not why
                  else f"Int4 kernel: not used, {why}; aten's int4 kernel instead")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import build, q4_kernel, row_kernel
+from engine.kernels import build, q4_kernel, q8_kernel, row_kernel
 from engine.models import rows
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -169,3 +169,55 @@ def test_int4_kernel_takes_only_shapes_it_computes():
     assert not q4_kernel.shape_fits(64, 96, 32)        # K not a multiple of its 64-code blocks
     assert not q4_kernel.shape_fits(64, 576, 128)      # a group that does not divide K
     assert not q4_kernel.shape_fits(64, 512, 16)
+
+
+# ---------------------------------------------------------------- the int8 kernel (q8.c)
+
+def _int8(N, K, M, seed, dtype):
+    from engine.targets import qweights
+    if not q8_kernel.available():
+        pytest.skip(f"int8 kernel: {q8_kernel.why_not()}")
+    g = torch.Generator().manual_seed(seed)
+    c = qweights.quantize_int8(torch.randn(N, K, generator=g) * 0.05, dtype)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    return c, x, qweights.dequantize_int8(c)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (40, 100), (7, 33)])
+@pytest.mark.parametrize("M", [1, 3, 17, 65])
+def test_int8_products_match_the_definition(N, K, M, dtype):
+    c, x, w = _int8(N, K, M, N + M, dtype)
+    b = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = q8_kernel.linear(x, c["q"], c["scale"].to(dtype), b)
+    want = x.double() @ w.double().t() + b.double()
+    # float32 sums of exact products; the output rounded once to the dtype
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
+    assert ((got.double() - want).abs() <= tol * want.abs() + 1e-5 * want.abs().max()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_int8_row_is_a_lone_row_at_any_thread_count(dtype):
+    c, x, _ = _int8(320, 768 + 16, 65, 9, dtype)
+    scale = c["scale"].to(dtype)
+    lone = [q8_kernel.linear(x[r:r + 1], c["q"], scale)[0] for r in range(65)]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for M in rows.WIDTHS:
+                out = q8_kernel.linear(x[:M], c["q"], scale)
+                assert all(torch.equal(out[r], lone[r]) for r in range(M)), (threads, M)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_quantized_kernels_are_turned_off_each_by_its_own_variable():
+    code = ("from engine.kernels import q4_kernel, q8_kernel, row_kernel; import torch;"
+            "print(q8_kernel.why_not()); print(q4_kernel.why_not()); print(row_kernel.why_not(torch.float32))")
+    env = {**os.environ, "LOCALCHAT_INT8_KERNEL": "off", "LOCALCHAT_INT4_KERNEL": "off"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[:2] == ["turned off (LOCALCHAT_INT8_KERNEL=off)", "turned off (LOCALCHAT_INT4_KERNEL=off)"]
+    assert "LOCALCHAT" not in lines[2]                   # the row kernel is not theirs to turn off

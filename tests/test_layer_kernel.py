@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import engine
-from engine.kernels import layer_kernel, q4_kernel
+from engine.kernels import layer_kernel, q4_kernel, q8_kernel
 from tiny import build_model
 
-DTYPES = ["float32", "bfloat16", "int4"]
+DTYPES = ["float32", "bfloat16", "int8", "int4"]
 
 
 def needs(dtype: str):
@@ -52,10 +52,15 @@ def model_path(request, tmp_path_factory, tokenizer):
 
 
 def _open(path, dtype, cache_dir=None):
-    """The model in `dtype` ("float32", "bfloat16"), or "int4": resident int4 in groups of 32
-    with bf16 activations, its products through engine/kernels/q4.c."""
-    needs("bfloat16" if dtype == "int4" else dtype)
-    if dtype == "int4":
+    """The model in `dtype` ("float32", "bfloat16"), or "int8" / "int4": resident int8 per
+    channel or int4 in groups of 32, bf16 activations, products through engine/kernels/q8.c
+    or q4.c."""
+    needs("bfloat16" if dtype in ("int8", "int4") else dtype)
+    if dtype == "int8":
+        if not q8_kernel.available():
+            pytest.skip(f"int8 kernel: {q8_kernel.why_not()}")
+        eng = engine.open(str(path), profile="resident-int8", drafter="none", cache_dir=cache_dir)
+    elif dtype == "int4":
         if not q4_kernel.available():
             pytest.skip(f"int4 kernel: {q4_kernel.why_not()}")
         eng = engine.open(str(path), profile="resident-int4", drafter="none", cache_dir=cache_dir)

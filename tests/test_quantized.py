@@ -12,7 +12,7 @@ import torch
 import engine
 from engine import checkpoint, fidelity
 from engine.drafters import ModelDrafter, NgramDrafter, NoDrafter
-from engine.kernels import q4_kernel
+from engine.kernels import q4_kernel, q8_kernel
 from engine.targets import qweights
 from engine.targets.quantized import load_quantized
 from engine.targets.resident import load_resident
@@ -61,15 +61,16 @@ def test_int4_round_trip_within_half_a_step_per_group(param_dtype, group):
 @pytest.mark.parametrize("kernel", ["own", "aten", "none"])
 def test_kernels_compute_the_definition(fmt, act, kernel, monkeypatch):
     """x @ dequantize(w).T (+ bias) to the rounding of the output dtype, through localchat's
-    int4 kernel (engine/kernels/q4.c: int4, bf16 activations), through the aten kernel, and
-    through the fallback a device without either uses."""
+    kernels (engine/kernels/q8.c: int8; q4.c: int4 with bf16 activations), through the aten
+    kernel, and through the fallback a device without either uses."""
+    own = q8_kernel if fmt == "int8" else q4_kernel
     if kernel == "own":
-        if fmt != "int4" or act != torch.bfloat16:
+        if fmt == "int4" and act != torch.bfloat16:
             pytest.skip("localchat's int4 kernel takes int4 weights with bf16 activations")
-        if not q4_kernel.available():
-            pytest.skip(f"int4 kernel: {q4_kernel.why_not()}")
+        if not own.available():
+            pytest.skip(f"{fmt} kernel: {own.why_not()}")
     else:
-        monkeypatch.setattr(q4_kernel, "_state", ["turned off (test)"])
+        monkeypatch.setattr(own, "_state", ["turned off (test)"])
     if kernel == "none":
         monkeypatch.setattr(qweights, "_kernel_runs", lambda *a: False)
     g = torch.Generator().manual_seed(2)
@@ -78,7 +79,7 @@ def test_kernels_compute_the_definition(fmt, act, kernel, monkeypatch):
     c = qweights.quantize(w, fmt, 32, act)
     packed = (qweights.Int8Weight(c, CPU, act) if fmt == "int8" else qweights.Int4Weight(c, CPU, act, 32))
     assert packed.kernel == (kernel != "none")
-    assert getattr(packed, "canonical", False) == (kernel == "own")
+    assert getattr(packed, "canonical" if fmt == "int4" else "own_kernel") == (kernel == "own")
     want_w = qweights.dequantize(c)
     tol = 2e-2 if act == torch.bfloat16 else 1e-5
     for M in (1, 5, 33):

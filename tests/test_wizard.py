@@ -207,8 +207,9 @@ def test_setup_builds_the_kernels_so_no_chat_waits_on_a_compiler(tiny_llama, tmp
     assert proc.returncode == 0, proc.stderr
     ready = next(l for l in proc.stdout.splitlines() if l.startswith("C kernels ready"))
     built = sorted(p.name for p in (tmp_path / "cache" / "kernels").glob("*.so"))
-    # Every source this CPU runs was built: rows.c, layer.c, q4.c, gdn.c by name.
-    for name, source in (("rows", "rows-"), ("layers", "layer-"), ("int4", "q4-"), ("gated delta-net", "gdn-")):
+    # Every source this CPU runs was built: rows.c, layer.c, q8.c, q4.c, gdn.c by name.
+    for name, source in (("rows", "rows-"), ("layers", "layer-"), ("int8", "q8-"), ("int4", "q4-"),
+                         ("gated delta-net", "gdn-")):
         if name in ready.split(": ", 1)[1]:
             assert any(b.startswith(source) for b in built), (name, built)
     assert any(b.startswith("gdn-") for b in built), built       # gdn.c needs no more than a C compiler

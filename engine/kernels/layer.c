@@ -6,7 +6,8 @@
  *
  * Why: at the demo model's size a one-token step is some 25 small torch operations a layer,
  * and their dispatch, not the arithmetic, decided its speed (engine/models/llama_family.py
- * says when this runs). The products are rows.c's and, for int4 weights, q4.c's, included here.
+ * says when this runs). The products are rows.c's and, for int8 and int4 weights, q8.c's and
+ * q4.c's, included here.
  *
  * The property greedy speculation needs holds by construction here too: every row of a pass
  * is computed as a lone row is. Norms, rotary and the cache writes are per row; attention is
@@ -16,12 +17,14 @@
 #include <omp.h>
 
 #include "rows.c"
+#include "q8.c"
 #ifdef __AVX512BF16__
 #include "q4.c"
 #endif
 
-/* A weight matrix [N, K]: dense in the layer's dtype (group 0), or group-wise int4 in its
- * canonical form (q4.c; bf16 layers only) */
+/* A weight matrix [N, K]: dense in the layer's dtype (group 0), per-channel int8 (group -1,
+ * q8.c: codes and a scale per row in the layer's dtype), or group-wise int4 in its canonical
+ * form (group > 0, q4.c; bf16 layers only) */
 typedef struct {
     const void *w, *scale, *zero;
     int64_t group;
@@ -86,6 +89,7 @@ static inline void silu16(const float *g, float *out) {
 #define LD(v) (v)
 #define ST(f) (f)
 #define LINEAR linear_f32
+#define LINEAR_Q8 linear_q8_f32
 #define LINEAR_Q4(...) ((void)0)      /* no int4 weights in a float32 layer (layer_kernel.py) */
 #include "layer_body.h"
 #include "moe_body.h"
@@ -94,6 +98,7 @@ static inline void silu16(const float *g, float *out) {
 #undef LD
 #undef ST
 #undef LINEAR
+#undef LINEAR_Q8
 #undef LINEAR_Q4
 
 #ifdef __AVX512BF16__
@@ -102,6 +107,7 @@ static inline void silu16(const float *g, float *out) {
 #define LD(v) from_bf16(v)
 #define ST(f) to_bf16(f)
 #define LINEAR linear_bf16
+#define LINEAR_Q8 linear_q8_bf16
 #define LINEAR_Q4 linear_q4_bf16
 #include "layer_body.h"
 #include "moe_body.h"

@@ -5,6 +5,7 @@
  *   LD(v)       an element as float
  *   ST(f)       a float rounded to an element (as torch rounds a result to the tensor's dtype)
  *   LINEAR      rows.c's product for this type
+ *   LINEAR_Q8   q8.c's, LINEAR_Q4 q4.c's (int8 and int4 matrices)
  *
  * Every step rounds where the reference (transformers' modules in this dtype, as
  * engine/models/llama_family.py runs them) rounds: RMSNorm's statistics in float32, its
@@ -59,11 +60,13 @@ static void FN(attend)(const ELEM *q, const ELEM *kc, const ELEM *vc, int n, int
     for (int d = 0; d < D; d++) out[d] = ST(acc[d] * inv);
 }
 
-/* y = x @ m.T (+ bias) for M rows: rows.c's product, or q4.c's for an int4 matrix (its
- * scratch at q4s) */
+/* y = x @ m.T (+ bias) for M rows: rows.c's product, or q8.c's or q4.c's for an int8 or
+ * int4 matrix (their scratch at q4s) */
 static void FN(product)(const ELEM *x, int64_t ldx, const Mat *m, const ELEM *bias, ELEM *y, int64_t ldy,
                         int M, int N, int K, void *q4s, int threads) {
-    if (m->group)
+    if (m->group < 0)
+        LINEAR_Q8(x, ldx, (const int8_t *)m->w, (const ELEM *)m->scale, bias, y, ldy, M, N, K, q4s, threads);
+    else if (m->group)
         LINEAR_Q4(x, ldx, (const uint8_t *)m->w, (const uint16_t *)m->scale, (const uint16_t *)m->zero,
                   (int)m->group, bias, y, ldy, M, N, K, q4s, threads);
     else
@@ -85,18 +88,19 @@ static void FN(swiglu)(const ELEM *gu, ELEM *act, int T, int I) {
     }
 }
 
-/* the widest input of the layer's products (q4.c's scratch holds a copy of x) */
-static int64_t FN(widest)(const LayerShape *s) {
+/* the scratch of the widest product for T rows: q8.c's (x in float32) or q4.c's (x split,
+ * and its group sums), whichever is larger */
+static int64_t FN(quant_bytes)(const LayerShape *s, int T) {
     int64_t k = s->hidden > s->inter ? s->hidden : s->inter;
     int64_t hd = (int64_t)s->heads * s->head_dim;
-    return k > hd ? k : hd;
+    k = k > hd ? k : hd;
+    return (int64_t)T * k * 4 + (int64_t)T * (k / 32) * 4 + 128;
 }
 
 int64_t FN(layer_scratch_bytes)(const LayerShape *s, int T, int context, int threads) {
     int64_t qkv = (int64_t)(s->heads + 2 * s->kv_heads) * s->head_dim;
     int64_t elems = (int64_t)T * (s->hidden + qkv + (int64_t)s->heads * s->head_dim + 3 * (int64_t)s->inter + s->hidden);
-    int64_t q4 = (int64_t)T * FN(widest)(s) * 2 + (int64_t)T * (FN(widest)(s) / 32) * 4 + 128;
-    return elems * (int64_t)sizeof(ELEM) + 64 + q4 + 64 + (int64_t)threads * (context + 16) * (int64_t)sizeof(float);
+    return elems * (int64_t)sizeof(ELEM) + 64 + FN(quant_bytes)(s, T) + 64 + (int64_t)threads * (context + 16) * (int64_t)sizeof(float);
 }
 
 /* h [T, hidden] (updated in place): rows at positions pos .. pos+T-1, each attending to the
@@ -112,8 +116,7 @@ void FN(layer)(const LayerWeights *w, const LayerShape *s, ELEM *h, int T, int p
     ELEM *act = gu + (int64_t)T * 2 * I;       /* [T, I]   */
     ELEM *y = act + (int64_t)T * I;            /* [T, hid] a product's output */
     void *q4s = (void *)(((uintptr_t)(y + (int64_t)T * hid) + 63) & ~(uintptr_t)63);
-    int64_t q4_bytes = (int64_t)T * FN(widest)(s) * 2 + (int64_t)T * (FN(widest)(s) / 32) * 4 + 128;
-    float *scores = (float *)(((uintptr_t)q4s + q4_bytes + 63) & ~(uintptr_t)63);
+    float *scores = (float *)(((uintptr_t)q4s + FN(quant_bytes)(s, T) + 63) & ~(uintptr_t)63);
     const int ctx = pos + T;
 
     for (int r = 0; r < T; r++) FN(rms)(h + (int64_t)r * hid, (const ELEM *)w->ln1, x + (int64_t)r * hid, hid, s->eps);

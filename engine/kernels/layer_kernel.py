@@ -9,8 +9,8 @@ pass removes it. Every row of a pass is computed as a lone row is (layer.c says 
 verify pass's rows are one-token steps bit for bit, as with the row kernel alone.
 
 It runs where the row kernel for the dtype runs (the same compiler flags and CPU needs) and
-the model is plain: weights resident, dense in the dtype or (bf16) int4 in the form
-engine/kernels/q4.c reads; head size at most 512. Elsewhere,
+the model is plain: weights resident, dense in the dtype, per-channel int8 (q8.c) or (bf16)
+int4 in the form engine/kernels/q4.c reads; head size at most 512. Elsewhere,
 and while torch.compile traces a graph, the forward runs its torch operations.
 `LOCALCHAT_KERNELS=off` turns it off with the row kernel; `LOCALCHAT_LAYER_KERNEL=off`
 alone, for comparisons."""
@@ -104,6 +104,10 @@ def why_not_for(fwd, dtype: torch.dtype) -> str:
                 if dtype != torch.bfloat16:
                     return "int4 weights with float32 activations"
                 continue                             # int4 in the form q4.c reads (qweights.Int4Weight)
+            if name in MATRICES and getattr(t, "own_kernel", False):
+                if t.scale.dtype != dtype:
+                    return f"int8 scales in {t.scale.dtype} in a {dtype} layer"
+                continue                             # int8 that q8.c reads (qweights.Int8Weight)
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or not t.is_cpu:
                 return f"{name} weights are not plain {str(dtype).removeprefix('torch.')} tensors"
             base = t.t() if t.dim() == 2 else t      # matrices are held as transposed views
@@ -115,6 +119,8 @@ def why_not_for(fwd, dtype: torch.dtype) -> str:
 def _mat(t) -> _Mat:
     if isinstance(t, torch.Tensor):
         return _Mat(t.data_ptr(), None, None, 0)
+    if getattr(t, "own_kernel", False):
+        return _Mat(t.q.data_ptr(), t.scale.data_ptr(), None, -1)
     return _Mat(t.q.data_ptr(), t.scale.data_ptr(), t.zero.data_ptr(), t.group)
 
 

@@ -15,12 +15,11 @@ alone (aten's int4 kernel then)."""
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import torch
 
-from . import build, row_kernel
+from . import row_kernel
 
 SOURCE = "q4"
 GROUPS = (32, 64, 128, 256)
@@ -42,15 +41,9 @@ def available() -> bool:
 
 
 def _load() -> str:
-    if os.environ.get("LOCALCHAT_INT4_KERNEL", "").lower() in ("off", "0", "no", "false"):
-        return "turned off (LOCALCHAT_INT4_KERNEL=off)"
-    why = row_kernel.why_not(torch.bfloat16)          # the same compiler flags and CPU needs
-    if why:
-        return why
-    flags = row_kernel.KERNELS[torch.bfloat16][1]
-    lib = build.library(SOURCE, flags)
+    lib, why = row_kernel.library_like(SOURCE, torch.bfloat16, "LOCALCHAT_INT4_KERNEL")
     if lib is None:
-        return build.why(SOURCE, flags)
+        return why
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.linear_q4_bf16.restype = None
     lib.linear_q4_bf16.argtypes = [P, I64, P, P, P, I, P, P, I64, I, I, I, P, I]

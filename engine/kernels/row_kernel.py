@@ -67,6 +67,19 @@ def _load(dtype: torch.dtype) -> str:
     return ""
 
 
+def library_like(source: str, dtype: torch.dtype, env: str):
+    """(the library of `source` built with the flags of `dtype`'s row kernel, '') where that
+    kernel runs (the same CPU needs), else (None, why not); `env`=off turns it off alone."""
+    if os.environ.get(env, "").lower() in ("off", "0", "no", "false"):
+        return None, f"turned off ({env}=off)"
+    why = why_not(dtype)
+    if why:
+        return None, why
+    flags = KERNELS[dtype][1]
+    lib = build.library(source, flags)
+    return lib, "" if lib is not None else build.why(source, flags)
+
+
 def why_not(dtype: torch.dtype) -> str:
     """'' when the row kernel for `dtype` runs here, else why it does not."""
     if dtype not in _state:

@@ -91,10 +91,10 @@ def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None, pad: bool = 
     row kernel when `kernel`, else a one-row x run as two rows when `pad`
     (models/rows.py: so a one-token step's products are a verify pass's rows). A weight
     that is not a plain tensor (a packed int8/int4 one, targets/quantized.py) brings its
-    own kernel, row-invariant already."""
+    own kernels, row-invariant ones for steps and verify passes (`kernel`)."""
     if isinstance(w_t, torch.Tensor):
         return rows.mm(x, w_t, pad, kernel) if bias is None else rows.addmm(bias, x, w_t, pad, kernel)
-    return w_t.mm(x, bias)
+    return w_t.mm(x, bias, lone_rows=kernel or x.shape[0] == 1)
 
 
 class LlamaFamilyForward(rows.KernelPasses):

@@ -14,8 +14,11 @@ stores, and a *packed* form, the layout the device's kernel reads:
 Scales and zeros are rounded to the activation dtype *before* q is computed, so q is the
 best code for the parameters the kernel actually reads.
 
-Kernels: PyTorch's own `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`
-(CUDA: `_weight_int4pack_mm`). Measured on the development CPU (2 threads, bf16, one
+Kernels: on a CPU with AVX-512, localchat's own for one-token steps and verify passes
+(engine/kernels/q8.c for int8, q4.c for int4 with bf16 activations: they read the
+canonical form, and layer.c runs whole quantized layers in one call); elsewhere PyTorch's
+own `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` (CUDA:
+`_weight_int4pack_mm`). Measured on the development CPU (2 threads, bf16, one
 decode-step matrix-vector product of SmolLM2-135M's shapes): aten int8 17-46 us per
 matrix against 112-337 us for torchao 0.18 `Int8WeightOnlyConfig` run eagerly (its tensor
 subclass dequantizes, then multiplies: its fast path exists only under torch.compile), and
@@ -29,7 +32,7 @@ import math
 
 import torch
 
-from ..kernels import q4_kernel
+from ..kernels import q4_kernel, q8_kernel
 
 INT4_GROUPS = (32, 64, 128, 256)   # what the aten int4 kernels accept
 # Passes of more rows than this (a prompt's prefill) dequantize the weight and run the
@@ -123,17 +126,27 @@ def int4_problem(N: int, K: int, group: int) -> str | None:
 # ---------------------------------------------------------------- packed weights (what the forward holds)
 
 class Int8Weight:
-    """x @ w.T for a per-channel int8 weight: `_linear` in llama_family calls .mm."""
+    """x @ w.T for a per-channel int8 weight: `_linear` in llama_family calls .mm. On a CPU
+    with AVX-512, localchat's own kernel (engine/kernels/q8.c, which also lets
+    engine/kernels/layer.c run whole int8 layers), else aten's."""
 
     def __init__(self, c: dict[str, torch.Tensor], device: torch.device, act_dtype: torch.dtype):
         self.q = c["q"].to(device).contiguous()
-        self.scale = c["scale"].to(device, act_dtype)
+        self.scale = c["scale"].to(device, act_dtype).contiguous()
         self.shape = tuple(self.q.shape)
+        self.own_kernel = (device.type == "cpu" and act_dtype in q8_kernel.SUFFIX and q8_kernel.available())
         self.kernel = _int8_kernel_works(device, act_dtype)
 
-    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, lone_rows: bool = True) -> torch.Tensor:
+        """lone_rows: a step or a verify pass, whose rows must each be computed as a lone
+        row is (every kernel here does that); a prefill passes False and, where aten's
+        kernel runs, takes it: q8.c is a matrix-vector kernel, slower at tens of rows."""
         if x.shape[0] > GEMM_ROWS:
             y = torch.mm(x, self.dense(x.dtype).t())
+        elif (self.own_kernel and (lone_rows or not self.kernel) and x.dtype == self.scale.dtype
+              and not torch.compiler.is_compiling()):
+            b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
+            return q8_kernel.linear(x.contiguous(), self.q, self.scale, b)
         elif self.kernel:
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
         else:
@@ -184,7 +197,9 @@ class Int4Weight:
             self.packed = c["q"].to(device)
             self._reader = None
 
-    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, lone_rows: bool = True) -> torch.Tensor:
+        """Every kernel here computes each row as a lone row, prefill or not (`lone_rows`
+        is Int8Weight's choice): q4.c is as fast as aten's at a prefill's tens of rows."""
         x = x.contiguous()
         if self.canonical:
             if x.shape[0] <= GEMM_ROWS and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
