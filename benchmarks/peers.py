@@ -137,11 +137,20 @@ def main() -> None:
         contenders[f"llama.cpp {fmt}"] = (llama_once, llm)
     for r in rows:
         # The layer kernel's share, in the same run: the step with every layer run as torch
-        # operations (around the same row and int4 kernels).
+        # operations (around the same row, int8 and int4 kernels).
         eng = open_ours(ROWS[r][0], cache)
         if getattr(eng.target.impl, "_stack", None) is not None:
             eng.target.impl._stack = None
             contenders[f"ours {r} torch ops"] = (ours_once, eng)
+    if "q8" in rows:
+        # int8 through aten's kernel, one torch operation a product, as before q8.c: its share.
+        from engine.kernels import q8_kernel
+        saved = list(q8_kernel._state)
+        q8_kernel._state[:] = ["off (benchmark)"]
+        try:
+            contenders["ours q8 aten"] = (ours_once, open_ours(ROWS["q8"][0], cache))
+        finally:
+            q8_kernel._state[:] = saved
     tok = next(e for f, e in contenders.values() if f is ours_once).tokenizer
     ids = render_prompt(tok, [{"role": "user", "content": PROMPT}])
     eos = tok.eos_token_id
@@ -160,6 +169,10 @@ def main() -> None:
             ops = fig(f"ours {r} torch ops")
             row["ours_torch_ops"] = ops
             row["torch_ops_decode_ratio"] = round(ops["decode_tps"] / peer["decode_tps"], 3)
+        if r == "q8" and "ours q8 aten" in contenders:
+            aten = fig("ours q8 aten")
+            row["ours_aten_int8"] = aten
+            row["aten_int8_decode_ratio"] = round(aten["decode_tps"] / peer["decode_tps"], 3)
         out_rows.append(row)
         print(f"{r:5s} ({row['ours_decodes']}) decode ours {ours['decode_tps']:6.1f} llama.cpp {peer['decode_tps']:6.1f} "
               f"({row['decode_ratio']:.2f}x)  prefill ours {ours['prefill_tps']:6.0f} "

@@ -7,11 +7,11 @@ checkpoint with random bf16 weights (seeded), built with transformers and saved 
 `save_pretrained`; its vocabulary is the demo model's tokenizer (49152 entries, against
 Qwen3's 151936: no Qwen3 tokenizer can be fetched here), so it has 1.5 B parameters rather
 than 1.7 B. llama.cpp reads GGUFs written from it: F32 (tests/gguf_writer.py: gguf-py's
-own tensor names), then BF16 and Q4_1 from that (benchmarks/gguf_formats.py); ours the
-checkpoint itself in bf16, and int4 in groups of 32 quantized from it. Same prompt token
+own tensor names), then BF16, Q8_0 and Q4_1 from that (benchmarks/gguf_formats.py); ours the
+checkpoint itself in bf16, and int8 per channel and int4 in groups of 32 quantized from it. Same prompt token
 ids, greedy, 2 threads each, interleaved rounds, medians.
 
-    python benchmarks/peers_shape.py [--rounds 3] [--tokens 64] [--only bf16,q4]
+    python benchmarks/peers_shape.py [--rounds 3] [--tokens 64] [--only bf16,q8,q4]
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ from peers import PROMPT, decoded_by, interleaved, llama_once, open_ours, ours_o
 SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, rope_theta=1e6,
              rms_norm_eps=1e-6, tie_word_embeddings=True)
-ROWS = {"bf16": ({"dtype": "bfloat16"}, "BF16"), "q4": ({"profile": "resident-int4"}, "Q4_1")}
+ROWS = {"bf16": ({"dtype": "bfloat16"}, "BF16"), "q8": ({"profile": "resident-int8"}, "Q8_0"),
+        "q4": ({"profile": "resident-int4"}, "Q4_1")}
 
 
 def build(folder: Path) -> Path:
@@ -63,7 +64,7 @@ def ggufs(hf: Path, folder: Path) -> dict[str, Path]:
     f32 = folder / "shape-F32.gguf"
     if not f32.exists():
         write_gguf(hf, folder / "shape-F32.partial.gguf").replace(f32)
-    return {fmt: gguf_formats.write(f32, folder / f"shape-{fmt}.gguf", fmt) for fmt in ("BF16", "Q4_1")}
+    return {fmt: gguf_formats.write(f32, folder / f"shape-{fmt}.gguf", fmt) for fmt in ("BF16", "Q8_0", "Q4_1")}
 
 
 def main() -> None:
