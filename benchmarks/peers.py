@@ -1,5 +1,5 @@
 """Ours against llama.cpp on the same weights, same prompt tokens, same threads, one run
-(issue 23's table, reproducible): the demo model in float32, bf16, 8-bit and 4-bit.
+(the README's table, reproducible): the demo model in float32, bf16, 8-bit and 4-bit.
 
 - llama.cpp: llama-cpp-python (the `bench` extra; it compiles llama.cpp from source) on
   the demo's own Q4_1 GGUF and on F32/BF16 GGUFs written from it by dequantizing every

@@ -1,4 +1,4 @@
-"""Ours against llama.cpp on a model of a real shape (issue 23): the demo model's 135 M
+"""Ours against llama.cpp on a model of a real shape: the demo model's 135 M
 shapes are dominated by per-operator overhead, and people run models 10-100x larger.
 
 The model: Qwen3-1.7B's published shape (hidden 2048, 28 layers, 16 query and 8 key/value

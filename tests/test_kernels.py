@@ -221,3 +221,13 @@ def test_the_quantized_kernels_are_turned_off_each_by_its_own_variable():
     lines = out.stdout.split("\n")
     assert lines[:2] == ["turned off (LOCALCHAT_INT8_KERNEL=off)", "turned off (LOCALCHAT_INT4_KERNEL=off)"]
     assert "LOCALCHAT" not in lines[2]                   # the row kernel is not theirs to turn off
+
+
+@pytest.mark.parametrize("N,K,group", [(960, 576, 32), (576, 1536, 64), (48, 512, 256)])
+def test_int4_dequantized_for_a_prefill_is_the_definition_rounded_once(N, K, group):
+    c, _, w = _int4(N, K, group, 1, seed=N)
+    got = q4_kernel.dequantize(c["q"], c["scale"], c["zero"], group)
+    assert got.dtype == torch.bfloat16 and got.shape == (N, K)
+    # float32 (q - 8) * scale + zero, as dequantize_int4 computes it, one rounding to bf16
+    # (an FMA may round its float32 once less: one bf16 step apart at most)
+    assert ((got.float() - w.to(torch.bfloat16).float()).abs() <= 2 ** -7 * w.abs()).all()

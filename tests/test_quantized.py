@@ -85,7 +85,9 @@ def test_kernels_compute_the_definition(fmt, act, kernel, monkeypatch):
     for M in (1, 5, 33):
         x = torch.randn(M, 256, generator=g).to(act)
         want = x.float() @ want_w.t() + bias.float()
-        torch.testing.assert_close(packed.mm(x, bias).float(), want, rtol=tol, atol=tol * float(want.abs().max()))
+        for lone in (True, False):       # a step or verify pass; a prefill (another kernel past a few rows)
+            got = packed.mm(x, bias, lone_rows=lone).float()
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
     ids = torch.tensor([0, 63, 64, 100, 191])
     torch.testing.assert_close(packed.rows(ids).float(), want_w[ids], rtol=tol, atol=tol * 0.1)
 

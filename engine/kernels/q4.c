@@ -147,3 +147,31 @@ void linear_q4_bf16(const uint16_t *x, int64_t ldx, const uint8_t *q, const uint
             else q4_rows(xs, K, xsum, q, scale, zero, bias, y, ldy, m0, mb, n, group);
         }
 }
+
+/* w [N, K] bf16: the definition's weights, (q - 8) * scale + zero in float32, rounded once,
+ * in one pass over the codes: what a prefill multiplies by with torch's GEMM (at hundreds of
+ * rows a GEMM beats this file's row kernel, and dequantizing in torch took five passes over
+ * a full-size temporary). 32 codes a step: their even and odd k as two float vectors, each
+ * rounded to bf16, interleaved back by 32-bit lanes (the even one in the low half). */
+void dequant_q4_bf16(const uint8_t *q, const uint16_t *scale, const uint16_t *zero, int group, uint16_t *w,
+                     int N, int K, int threads) {
+    const int G = K / group;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *qr = q + (int64_t)n * (K / 2);
+        uint16_t *wr = w + (int64_t)n * K;
+        for (int k = 0; k < K; k += 32) {
+            int g = k / group;
+            __m512 s = _mm512_set1_ps(from_bf16(scale[(int64_t)n * G + g]));
+            __m512 z = _mm512_set1_ps(from_bf16(zero[(int64_t)n * G + g]));
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qr + k / 2)));
+            __m512i eight = _mm512_set1_epi32(8);
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), eight));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight));
+            __m256i el = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo, s, z));
+            __m256i od = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, s, z));
+            _mm512_storeu_si512(wr + k, _mm512_or_si512(_mm512_cvtepu16_epi32(el),
+                                                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(od), 16)));
+        }
+    }
+}

@@ -49,6 +49,8 @@ def _load() -> str:
     lib.linear_q4_bf16.argtypes = [P, I64, P, P, P, I, P, P, I64, I, I, I, P, I]
     lib.q4_scratch_bytes.restype = I64
     lib.q4_scratch_bytes.argtypes = [I, I, I]
+    lib.dequant_q4_bf16.restype = None
+    lib.dequant_q4_bf16.argtypes = [P, P, P, I, P, I, I, I]
     _lib.append(lib)
     # As the row kernel does: its products against float64's before first use.
     g = torch.Generator().manual_seed(0)
@@ -68,6 +70,25 @@ def _load() -> str:
 def shape_fits(N: int, K: int, group: int) -> bool:
     """Whether an [N, K] weight in groups of `group` takes this kernel."""
     return group in GROUPS and K % 64 == 0 and K % group == 0
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+               reuse: bool = False) -> torch.Tensor:
+    """The [N, K] bf16 weights of canonical int4 (its definition in float32, rounded once).
+    reuse: into this thread's buffer, valid until its next such call. A fresh tensor the
+    size of a large matrix is new pages from the kernel every time (glibc maps allocations
+    over 32 MB anew), which cost a Qwen3-1.7B-shaped prefill more than its products."""
+    N, K = q.shape[0], 2 * q.shape[1]
+    if reuse:
+        buf = getattr(_scratch, "dense", None)
+        if buf is None or buf.numel() < N * K:
+            buf = _scratch.dense = torch.empty(N * K, dtype=torch.bfloat16)
+        w = buf[:N * K].view(N, K)
+    else:
+        w = torch.empty(N, K, dtype=torch.bfloat16)
+    _lib[0].dequant_q4_bf16(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), group, w.data_ptr(), N, K,
+                            torch.get_num_threads())
+    return w
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
