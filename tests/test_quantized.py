@@ -82,7 +82,7 @@ def test_kernels_compute_the_definition(fmt, act, kernel, monkeypatch):
     assert getattr(packed, "canonical" if fmt == "int4" else "own_kernel") == (kernel == "own")
     want_w = qweights.dequantize(c)
     tol = 2e-2 if act == torch.bfloat16 else 1e-5
-    for M in (1, 5, 33):
+    for M in (1, 5, 33, 100):       # 100: past GEMM_ROWS, the dequantized weight and a GEMM
         x = torch.randn(M, 256, generator=g).to(act)
         want = x.float() @ want_w.t() + bias.float()
         for lone in (True, False):       # a step or verify pass; a prefill (another kernel past a few rows)

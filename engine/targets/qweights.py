@@ -29,6 +29,7 @@ the rounding of its bf16 output (checked in tests/test_quantized.py)."""
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -46,6 +47,7 @@ GEMM_ROWS = 80
 # rows, 3.1 against 7.3 at 44 (and 7.8 against 35 ms at 200 rows for the dequantization in
 # torch it replaced); q4.c wins up to about 8.
 PREFILL_KERNEL_ROWS = 12
+_dense_buf = threading.local()       # Int8Weight._dense_reused's buffer, one per thread
 _CHUNK = 1 << 20                   # elements quantized at once: bounds the float32 temporaries
 
 
@@ -147,7 +149,7 @@ class Int8Weight:
         row is (every kernel here does that); a prefill passes False and, where aten's
         kernel runs, takes it: q8.c is a matrix-vector kernel, slower at tens of rows."""
         if x.shape[0] > GEMM_ROWS:
-            y = torch.mm(x, self.dense(x.dtype).t())
+            y = torch.mm(x, self._dense_reused(x.dtype).t())
         elif (self.own_kernel and (lone_rows or not self.kernel) and x.dtype == self.scale.dtype
               and not torch.compiler.is_compiling()):
             b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
@@ -166,6 +168,17 @@ class Int8Weight:
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         return self.q.to(dtype).mul_(self.scale.to(dtype)[:, None])
+
+    def _dense_reused(self, dtype: torch.dtype) -> torch.Tensor:
+        """dense(), written into this thread's buffer (valid until its next call): a fresh
+        tensor the size of a large matrix is new pages every call (q4_kernel.dequantize)."""
+        N, K = self.shape
+        buf = getattr(_dense_buf, "t", None)
+        if buf is None or buf.numel() < N * K or buf.dtype != dtype or buf.device != self.q.device:
+            buf = _dense_buf.t = torch.empty(N * K, dtype=dtype, device=self.q.device)
+        w = buf[:N * K].view(N, K)
+        w.copy_(self.q)
+        return w.mul_(self.scale.to(dtype)[:, None])
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.q, self.scale]
