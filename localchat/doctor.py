@@ -257,54 +257,37 @@ def _self_drafter_hint(plan, shape, settings) -> str | None:
 
 def _hw_dict(hw) -> dict:
     from dataclasses import asdict
+    from engine import kernels
 
-    return {**asdict(hw), "row_kernels": {name: why or "ready" for name, why in _row_kernels().items()},
-            "layer_kernels": {name: why or "ready" for name, why in _layer_kernels().items()},
-            "int4_kernel": _int4_kernel() or "ready"}
-
-
-def _int4_kernel() -> str:
-    from engine.kernels import q4_kernel
-    return q4_kernel.why_not()
-
-
-def _row_kernels() -> dict[str, str]:
-    """dtype name -> why its row kernel does not run here ('' when it does)."""
-    from engine.kernels import row_kernel
-    return {str(d).removeprefix("torch."): row_kernel.why_not(d) for d in row_kernel.KERNELS}
-
-
-def _layer_kernels() -> dict[str, str]:
-    """dtype name -> why its layer kernel does not run here ('' when it does)."""
-    from engine.kernels import layer_kernel
-    return {str(d).removeprefix("torch."): layer_kernel.why_not(d) for d in layer_kernel.SUFFIX}
+    return {**asdict(hw), "kernels": {name: why or "ready" for name, why in kernels.status().items()}}
 
 
 def _kernel_text() -> str:
-    kernels = _row_kernels()
-    ready = [d for d, why in kernels.items() if not why]
+    from engine import kernels
+    st = kernels.status()
+
+    def by_dtype(kind: str) -> dict[str, str]:
+        return {name.removeprefix(kind + " "): why for name, why in st.items() if name.startswith(kind + " ")}
+    rows = by_dtype("rows")
+    ready = [d for d, why in rows.items() if not why]
     lines = []
     if ready:
         lines.append(f"Row kernels ({', '.join(ready)}): one-token steps and verify passes run localchat's own "
                      "products, built here; prefill runs torch's")
-    lines += [f"Row kernel ({d}): not used, {why}; torch's kernels instead" for d, why in kernels.items() if why]
-    layers = _layer_kernels()
+    lines += [f"Row kernel ({d}): not used, {why}; torch's kernels instead" for d, why in rows.items() if why]
+    layers = by_dtype("layers")
     ready = [d for d, why in layers.items() if not why]
     if ready:
         lines.append(f"Layer kernels ({', '.join(ready)}): a resident Llama-family model's one-token steps and "
                      "verify passes run all its layers in one call")
-    lines += [f"Layer kernel ({d}): not used, {why}" for d, why in layers.items() if why and not kernels.get(d)]
-    from engine.kernels import q8_kernel
-    why = q8_kernel.why_not()
-    lines.append("Int8 kernel: int8 weights are read as stored, whole layers in one call" if not why
-                 else f"Int8 kernel: not used, {why}; aten's int8 kernel instead")
-    why = _int4_kernel()
-    lines.append("Int4 kernel: int4 weights are read in their own form, whole layers in one call" if not why
-                 else f"Int4 kernel: not used, {why}; aten's int4 kernel instead")
-    from engine.kernels import gdn_kernel
-    why = gdn_kernel.why_not()
-    lines.append("Gated delta-net kernel: a hybrid's conv and recurrence steps run in C" if not why
-                 else f"Gated delta-net kernel: not used, {why}; transformers' functions instead")
+    lines += [f"Layer kernel ({d}): not used, {why}" for d, why in layers.items() if why and not rows.get(d)]
+    for name, ready_text, instead in (
+            ("int8", "int8 weights are read as stored, whole layers in one call", "aten's int8 kernel"),
+            ("int4", "int4 weights are read in their own form, whole layers in one call", "aten's int4 kernel"),
+            ("gated delta-net", "a hybrid's conv and recurrence steps run in C", "transformers' functions")):
+        why = st[name]
+        lines.append(f"{name.capitalize()} kernel: {ready_text}" if not why
+                     else f"{name.capitalize()} kernel: not used, {why}; {instead} instead")
     return "\n".join(lines)
 
 

@@ -73,19 +73,11 @@ def shape_fits(N: int, K: int, group: int) -> bool:
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-               reuse: bool = False) -> torch.Tensor:
-    """The [N, K] bf16 weights of canonical int4 (its definition in float32, rounded once).
-    reuse: into this thread's buffer, valid until its next such call. A fresh tensor the
-    size of a large matrix is new pages from the kernel every time (glibc maps allocations
-    over 32 MB anew), which cost a Qwen3-1.7B-shaped prefill more than its products."""
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The [N, K] bf16 weights of canonical int4 (its definition in float32, rounded once),
+    into `out` (contiguous [N, K] bf16) when given."""
     N, K = q.shape[0], 2 * q.shape[1]
-    if reuse:
-        buf = getattr(_scratch, "dense", None)
-        if buf is None or buf.numel() < N * K:
-            buf = _scratch.dense = torch.empty(N * K, dtype=torch.bfloat16)
-        w = buf[:N * K].view(N, K)
-    else:
-        w = torch.empty(N, K, dtype=torch.bfloat16)
+    w = torch.empty(N, K, dtype=torch.bfloat16) if out is None else out
     _lib[0].dequant_q4_bf16(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), group, w.data_ptr(), N, K,
                             torch.get_num_threads())
     return w

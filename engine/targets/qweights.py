@@ -47,7 +47,7 @@ GEMM_ROWS = 80
 # rows, 3.1 against 7.3 at 44 (and 7.8 against 35 ms at 200 rows for the dequantization in
 # torch it replaced); q4.c wins up to about 8.
 PREFILL_KERNEL_ROWS = 12
-_dense_buf = threading.local()       # Int8Weight._dense_reused's buffer, one per thread
+_dense_buf = threading.local()       # _reused's buffer, one per thread
 _CHUNK = 1 << 20                   # elements quantized at once: bounds the float32 temporaries
 
 
@@ -132,6 +132,17 @@ def int4_problem(N: int, K: int, group: int) -> str | None:
 
 # ---------------------------------------------------------------- packed weights (what the forward holds)
 
+def _reused(N: int, K: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An [N, K] view of this thread's buffer for a weight dequantized for a prefill's GEMM,
+    valid until the next call: a fresh tensor the size of a large matrix is new pages every
+    call (glibc maps allocations over 32 MB anew), which cost a Qwen3-1.7B-shaped prefill
+    more than its products."""
+    buf = getattr(_dense_buf, "t", None)
+    if buf is None or buf.numel() < N * K or buf.dtype != dtype or buf.device != device:
+        buf = _dense_buf.t = torch.empty(N * K, dtype=dtype, device=device)
+    return buf[:N * K].view(N, K)
+
+
 class Int8Weight:
     """x @ w.T for a per-channel int8 weight: `_linear` in llama_family calls .mm. On a CPU
     with AVX-512, localchat's own kernel (engine/kernels/q8.c, which also lets
@@ -170,14 +181,8 @@ class Int8Weight:
         return self.q.to(dtype).mul_(self.scale.to(dtype)[:, None])
 
     def _dense_reused(self, dtype: torch.dtype) -> torch.Tensor:
-        """dense(), written into this thread's buffer (valid until its next call): a fresh
-        tensor the size of a large matrix is new pages every call (q4_kernel.dequantize)."""
-        N, K = self.shape
-        buf = getattr(_dense_buf, "t", None)
-        if buf is None or buf.numel() < N * K or buf.dtype != dtype or buf.device != self.q.device:
-            buf = _dense_buf.t = torch.empty(N * K, dtype=dtype, device=self.q.device)
-        w = buf[:N * K].view(N, K)
-        w.copy_(self.q)
+        """dense(), in this thread's reused buffer (_reused)."""
+        w = _reused(*self.shape, dtype, self.q.device).copy_(self.q)
         return w.mul_(self.scale.to(dtype)[:, None])
 
     def tensors(self) -> list[torch.Tensor]:
@@ -224,7 +229,8 @@ class Int4Weight:
             if x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
                 if x.shape[0] <= limit:
                     return q4_kernel.linear(x, self.q, self.scale, self.zero, self.group, bias)
-                w = q4_kernel.dequantize(self.q, self.scale, self.zero, self.group, reuse=True)
+                w = q4_kernel.dequantize(self.q, self.scale, self.zero, self.group,
+                                         out=_reused(*self.shape, torch.bfloat16, x.device))
                 return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
             y = torch.mm(x, self.dense(x.dtype).t())
         elif not self.kernel or x.shape[0] > GEMM_ROWS:
