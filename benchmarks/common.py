@@ -24,7 +24,20 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "kernel_isa": _kernel_isa(),
+            "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ}}
+
+
+# what makes a run emulate an older CPU: ours (LOCALCHAT_ISA) and torch's (aten, oneDNN)
+ISA_ENV = ("LOCALCHAT_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def _kernel_isa() -> dict:
+    try:
+        from engine import kernels
+        return kernels.instruction_sets()
+    except Exception as exc:           # a benchmark of a peer alone need not have our kernels
+        return {"error": str(exc)}
 
 
 def median(xs: list[float]) -> float:

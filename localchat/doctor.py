@@ -259,7 +259,11 @@ def _hw_dict(hw) -> dict:
     from dataclasses import asdict
     from engine import kernels
 
-    return {**asdict(hw), "kernels": {name: why or "ready" for name, why in kernels.status().items()}}
+    return {**asdict(hw), "kernels": {name: why or "ready" for name, why in kernels.status().items()},
+            "kernel_isa": kernels.instruction_sets()}
+
+
+ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2"}
 
 
 def _kernel_text() -> str:
@@ -272,7 +276,9 @@ def _kernel_text() -> str:
     ready = [d for d, why in rows.items() if not why]
     lines = []
     if ready:
-        lines.append(f"Row kernels ({', '.join(ready)}): one-token steps and verify passes run localchat's own "
+        isa = kernels.instruction_sets()
+        built = ", ".join(f"{d} {ISA_NAMES.get(isa.get(d, ''), isa.get(d, ''))}" for d in ready)
+        lines.append(f"Row kernels ({built}): one-token steps and verify passes run localchat's own "
                      "products, built here; prefill runs torch's")
     lines += [f"Row kernel ({d}): not used, {why}; torch's kernels instead" for d, why in rows.items() if why]
     layers = by_dtype("layers")

@@ -17,7 +17,9 @@ def build(say: Callable[[str], None] = print) -> dict[str, str]:
     t0 = time.monotonic()
     state = kernels.status()
     ready = [name for name, why in state.items() if not why]
-    say(f"C kernels ready in {time.monotonic() - t0:.0f} s: {', '.join(ready) or 'none'}")
+    isa = sorted(set(kernels.instruction_sets().values()))
+    say(f"C kernels ready in {time.monotonic() - t0:.0f} s"
+        f"{' (' + ', '.join(isa) + ')' if isa else ''}: {', '.join(ready) or 'none'}")
     for name, why in state.items():
         if why:
             say(f"  {name}: not used, {why}; torch's kernels instead")

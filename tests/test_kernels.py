@@ -17,7 +17,7 @@ from engine.kernels import build, q4_kernel, q8_kernel, row_kernel
 from engine.models import rows
 
 DTYPES = [torch.bfloat16, torch.float32]
-BF16_FLAGS = row_kernel.KERNELS[torch.bfloat16][1]
+BF16_FLAGS = row_kernel.BUILDS["avx2"][torch.bfloat16][0]     # builds with any x86 compiler
 
 
 def needs(dtype):
@@ -231,3 +231,20 @@ def test_int4_dequantized_for_a_prefill_is_the_definition_rounded_once(N, K, gro
     # float32 (q - 8) * scale + zero, as dequantize_int4 computes it, one rounding to bf16
     # (an FMA may round its float32 once less: one bf16 step apart at most)
     assert ((got.float() - w.to(torch.bfloat16).float()).abs() <= 2 ** -7 * w.abs()).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_prefills_bf16_product_is_right_in_either_form(bias):
+    # torch's bf16 GEMM where the CPU has bf16 instructions, else float32's over the weight
+    # widened block by block (three blocks and a tail here): either is float32 sums rounded once
+    from engine.kernels import gemm
+    g = torch.Generator().manual_seed(3)
+    K, N = 2048, 3 * (gemm.BLOCK // 2048) + 100
+    x = torch.randn(44, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
+    b = torch.randn(N, generator=g).to(torch.bfloat16) if bias else None
+    got = gemm.mm(x, w.t(), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (44, N)
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-4 * want.abs().max()).all()
+    assert gemm.native_bf16() == (row_kernel.isa(torch.bfloat16) != "avx2")

@@ -26,7 +26,7 @@ def kernels(request, monkeypatch):
     if request.param == "row kernel" and not row_kernel.available(torch.bfloat16):
         pytest.skip(f"row kernel: {row_kernel.why_not(torch.bfloat16)}")
     if request.param == "torch":
-        monkeypatch.setattr(row_kernel, "_state", {d: "turned off (test)" for d in row_kernel.KERNELS})
+        monkeypatch.setattr(row_kernel, "_state", {d: "turned off (test)" for d in row_kernel.FUNCTIONS})
     monkeypatch.setattr(rows, "_cache", {})
     return request.param
 

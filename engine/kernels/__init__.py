@@ -8,9 +8,16 @@ def status() -> dict[str, str]:
     """Every kernel library this CPU can run, built now if it was not yet: its name -> ''
     when it runs here, else why not (the engine keeps torch's kernels for it then)."""
     from . import gdn_kernel, layer_kernel, q4_kernel, q8_kernel, row_kernel
-    out = {f"rows {str(d).removeprefix('torch.')}": row_kernel.why_not(d) for d in row_kernel.KERNELS}
+    out = {f"rows {str(d).removeprefix('torch.')}": row_kernel.why_not(d) for d in row_kernel.FUNCTIONS}
     out |= {f"layers {str(d).removeprefix('torch.')}": layer_kernel.why_not(d) for d in layer_kernel.SUFFIX}
     out["int8"] = q8_kernel.why_not()
     out["int4"] = q4_kernel.why_not()
     out["gated delta-net"] = gdn_kernel.why_not()
     return out
+
+
+def instruction_sets() -> dict[str, str]:
+    """dtype name -> the instruction set its kernels run in here (row_kernel.choose), for
+    the dtypes whose kernels run."""
+    from . import row_kernel
+    return {str(d).removeprefix("torch."): row_kernel.isa(d) for d in row_kernel.FUNCTIONS if row_kernel.isa(d)}

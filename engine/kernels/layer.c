@@ -18,7 +18,7 @@
 
 #include "rows.c"
 #include "q8.c"
-#ifdef __AVX512BF16__
+#if LC_BF16
 #include "q4.c"
 #endif
 
@@ -42,46 +42,29 @@ typedef struct {
     float eps, scale;
 } LayerShape;
 
-/* e^x for x <= 0 (below -87 it is 0 to float precision), sixteen at a time: 2^n * p(r) */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* s[j] = e^(s[j] - mx) for j < n; returns their sum (one fixed order for a given n) */
 static float exp_shifted(float *s, int n, float mx) {
-    __m512 acc = _mm512_setzero_ps(), m = _mm512_set1_ps(mx);
-    for (int j = 0; j < n; j += 16) {
-        __mmask16 k = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)(0xffffu >> (16 - (n - j)));
-        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m));
-        _mm512_mask_storeu_ps(s + j, k, e);
-        acc = _mm512_mask_add_ps(acc, k, acc, e);
+    vf acc = vf_zero(), m = vf_set1(mx);
+    for (int j = 0; j < n; j += VL) {
+        vf e = vf_exp_neg(vf_sub(vf_load_n(s + j, n - j), m));
+        vf_store_n(s + j, e, n - j);
+        if (n - j < VL) e = vf_load_n(s + j, n - j);     /* the lanes past n count 0 */
+        acc = vf_add(acc, e);
     }
-    return _mm512_reduce_add_ps(acc);
+    return vf_sum(acc);
 }
 
 /* out = g / (1 + e^-g), sixteen values; large positive g gives e^-g = 0 and out = g */
 static inline void silu16(const float *g, float *out) {
-    __m512 x = _mm512_loadu_ps(g);
-    __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), x);
-    /* e^-g for g < 0 is e^|g|: computed as 1 / e^g so exp512 only sees x <= 0 */
-    __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
-    __m512 e = exp512(_mm512_mask_blend_ps(pos, x, neg));        /* e^-|g| */
-    __m512 one = _mm512_set1_ps(1.f);
-    /* g >= 0: g / (1 + e^-g); g < 0: g * e^g / (1 + e^g) */
-    __m512 num = _mm512_mask_blend_ps(pos, _mm512_mul_ps(x, e), x);
-    _mm512_storeu_ps(out, _mm512_div_ps(num, _mm512_add_ps(one, e)));
+    for (int i = 0; i < 16; i += VL) {
+        vf x = vf_load(g + i);
+        vf neg = vf_sub(vf_zero(), x);
+        /* e^-g for g < 0 is e^|g|: computed as 1 / e^g so the exponential only sees x <= 0 */
+        vf e = vf_exp_neg(vf_select_nonneg(x, neg, x));          /* e^-|g| */
+        /* g >= 0: g / (1 + e^-g); g < 0: g * e^g / (1 + e^g) */
+        vf num = vf_select_nonneg(x, x, vf_mul(x, e));
+        vf_store(out + i, vf_div(num, vf_add(vf_set1(1.f), e)));
+    }
 }
 
 #define ELEM float
@@ -101,7 +84,7 @@ static inline void silu16(const float *g, float *out) {
 #undef LINEAR_Q8
 #undef LINEAR_Q4
 
-#ifdef __AVX512BF16__
+#if LC_BF16
 #define ELEM uint16_t
 #define FN(name) name##_bf16
 #define LD(v) from_bf16(v)

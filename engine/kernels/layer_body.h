@@ -94,7 +94,7 @@ static int64_t FN(quant_bytes)(const LayerShape *s, int T) {
     int64_t k = s->hidden > s->inter ? s->hidden : s->inter;
     int64_t hd = (int64_t)s->heads * s->head_dim;
     k = k > hd ? k : hd;
-    return (int64_t)T * k * 4 + (int64_t)T * (k / 32) * 4 + 128;
+    return (int64_t)T * k * 4 + (int64_t)T * (k / 32) * 4 + 256;
 }
 
 int64_t FN(layer_scratch_bytes)(const LayerShape *s, int T, int context, int threads) {

@@ -71,7 +71,7 @@ def _load(dtype: torch.dtype) -> str:
     why = row_kernel.why_not(dtype)          # its products, flags and CPU needs are the row kernel's
     if why:
         return why
-    flags = row_kernel.KERNELS[dtype][1]
+    flags = row_kernel.choose(dtype)[1]
     lib = build.library(SOURCE, flags)
     if lib is None:
         return build.why(SOURCE, flags)

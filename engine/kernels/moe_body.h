@@ -13,7 +13,7 @@ int64_t FN(moe_scratch_bytes)(int T, int hid, int I, int k, int E) {
     int64_t wide = hid > I ? hid : I;
     int64_t ints = (int64_t)E + 1 + 2 * (int64_t)T * k;
     int64_t elems = (int64_t)T * (hid + 2 * (int64_t)I + I + hid);
-    int64_t q4 = (int64_t)T * wide * 2 + (int64_t)T * (wide / 32) * 4 + 128;
+    int64_t q4 = (int64_t)T * wide * 4 + (int64_t)T * (wide / 32) * 4 + 256;     /* q4.c's, either build */
     return ints * 4 + 64 + elems * (int64_t)sizeof(ELEM) + 64 + q4 + 64;
 }
 

@@ -4,63 +4,59 @@
  *
  *   sum_k x[k] * w[n, k] = scale[n] * sum_k x[k] * q[n, k]
  * The sum runs in float32: each code widened to float32 (exact), x widened once per call
- * into the scratch, sixteen products per FMA, then one product with the scale and one
+ * into the scratch, sixteen products per FMA (eight on AVX2), then one product with the scale and one
  * rounding. The weight is read at one byte a parameter, each weight row once per Q8_MB rows
  * of x (it stays in L1 between them).
  *
  * As in rows.c, every output element is one fixed sequence of instructions owned by one
  * thread, whatever the number of rows or threads: a verify pass's rows are one-token steps
  * bit for bit. */
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "simd.h"
 
+#if LC_AVX512
 #define Q8_MB 4             /* x rows per pass over a weight row */
+#else
+#define Q8_MB 2             /* AVX2: 2 rows x 4 chains of accumulators, of 16 registers */
+#endif
 #define Q8_CHAINS 4         /* accumulators per row: FMA chains in flight */
 #define Q8_PREFETCH 2048
 
-/* Sixteen codes [k, k + n) of a weight row as float32 lanes (n < 16: the rest are 0) */
-static inline __m512 q8_codes(const int8_t *p, __mmask16 k) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)));
-}
-
-/* sums[m] = sum_k xf[m0 + m][k] * q[n][k] for m < mb, xf float32 [M, K]. Blocks of 16 codes
- * go round Q8_CHAINS accumulators (block b into chain b % Q8_CHAINS), the last one masked;
+/* sums[m] = sum_k xf[m0 + m][k] * q[n][k] for m < mb, xf float32 [M, K]. Blocks of VL codes
+ * go round Q8_CHAINS accumulators (block b into chain b % Q8_CHAINS), the last one partial;
  * the chains are added in one fixed order. */
 static inline __attribute__((always_inline)) void q8_rows(const float *xf, int K, const int8_t *q, int m0,
                                                           int mb, int n, float *sums) {
     const int8_t *qr = q + (int64_t)n * K;
     const float *xr[Q8_MB];
-    __m512 acc[Q8_MB][Q8_CHAINS];
+    vf acc[Q8_MB][Q8_CHAINS];
     for (int m = 0; m < Q8_MB; m++) {
         xr[m] = xf + (int64_t)(m0 + (m < mb ? m : 0)) * K;
-        for (int c = 0; c < Q8_CHAINS; c++) acc[m][c] = _mm512_setzero_ps();
+        for (int c = 0; c < Q8_CHAINS; c++) acc[m][c] = vf_zero();
     }
-    const int full = K / (16 * Q8_CHAINS) * (16 * Q8_CHAINS);
-    for (int k = 0; k < full; k += 16 * Q8_CHAINS) {
+    const int full = K / (VL * Q8_CHAINS) * (VL * Q8_CHAINS);
+    for (int k = 0; k < full; k += VL * Q8_CHAINS) {
         _mm_prefetch((const char *)(qr + k) + Q8_PREFETCH, _MM_HINT_T0);
         for (int c = 0; c < Q8_CHAINS; c++) {           /* constant after unrolling: acc stays in registers */
-            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qr + k + 16 * c))));
+            vf w = vf_from_i8(qr + k + VL * c, VL);
             for (int m = 0; m < Q8_MB; m++) {
                 if (m >= mb) break;
-                acc[m][c] = _mm512_fmadd_ps(_mm512_loadu_ps(xr[m] + k + 16 * c), w, acc[m][c]);
+                acc[m][c] = vf_fmadd(vf_load(xr[m] + k + VL * c), w, acc[m][c]);
             }
         }
     }
-    for (int k = full, c = 0; k < K; k += 16, c++) {    /* the tail: fewer than Q8_CHAINS blocks */
-        __mmask16 km = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)(0xffffu >> (16 - (K - k)));
-        __m512 w = q8_codes(qr + k, km);
+    for (int k = full, c = 0; k < K; k += VL, c++) {    /* the tail: fewer than Q8_CHAINS blocks */
+        vf w = vf_from_i8(qr + k, K - k);
         for (int m = 0; m < Q8_MB; m++) {
             if (m >= mb) break;
-            acc[m][c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(km, xr[m] + k), w, acc[m][c]);
+            acc[m][c] = vf_fmadd(vf_load_n(xr[m] + k, K - k), w, acc[m][c]);
         }
     }
-    for (int m = 0; m < mb; m++) {
-        __m512 s = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-        sums[m] = _mm512_reduce_add_ps(s);
-    }
+    for (int m = 0; m < mb; m++)
+        sums[m] = vf_sum(vf_add(vf_add(acc[m][0], acc[m][1]), vf_add(acc[m][2], acc[m][3])));
 }
 
 /* Every row of the weight against every row of xf, through q8_rows; `put(m, n, sum)`

@@ -1,5 +1,8 @@
 """Matrix products of a few rows (a decode step, a verify pass) through the C kernels in
-rows.c: bfloat16 on CPUs with AVX512-BF16, float32 on CPUs with AVX-512.
+rows.c, in bfloat16 and float32, and the one place that says which instruction set every
+kernel here is built for: AVX-512 (bf16 with AVX512-BF16), else AVX2 with FMA and F16C
+(most laptops and older servers), chosen per dtype from what the CPU reports.
+`LOCALCHAT_ISA=avx2` (or `avx512`) forces one, so an AVX-512 machine tests the other build.
 
 Why kernels of our own: at batch 1 a decode step is matrix-vector products, bound by
 reading the weights. torch's bf16 product (oneDNN) read a Qwen3-1.7B-shaped layer's
@@ -25,28 +28,50 @@ from .. import hardware
 from . import build
 
 SOURCE = "rows"
-_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
-_CPU = ("avx512f", "avx512bw", "avx512vl", "fma")
-# dtype: (function, compiler flags, CPU flags it needs)
-KERNELS = {
-    torch.bfloat16: ("linear_bf16", _AVX512 + ["-mavx512bf16"], _CPU + ("avx512_bf16",)),
-    torch.float32: ("linear_f32", _AVX512, _CPU),
+_AVX512 = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"], ("avx512f", "avx512bw", "avx512vl", "fma"))
+_AVX2 = (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c"))
+# instruction set: {dtype: (compiler flags, CPU flags it needs)}, best first
+BUILDS = {
+    "avx512": {torch.bfloat16: (_AVX512[0] + ["-mavx512bf16"], _AVX512[1] + ("avx512_bf16",)),
+               torch.float32: _AVX512},
+    "avx2": {torch.bfloat16: _AVX2, torch.float32: _AVX2},
 }
+FUNCTIONS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32"}
 MAX_ROWS = 65        # the widest verify pass models/rows.py probes (max_draft 64)
 
 _fns: dict[torch.dtype, object] = {}
 _state: dict[torch.dtype, str] = {}    # dtype -> "" ready, else why not (absent: not tried yet)
 
 
+def choose(dtype: torch.dtype) -> tuple[str, list[str], str]:
+    """(instruction set, compiler flags, '') of the build `dtype`'s kernels take on this CPU,
+    or ('', [], why none does)."""
+    forced = os.environ.get("LOCALCHAT_ISA", "").strip().lower()
+    if forced and forced not in BUILDS:
+        return "", [], f"LOCALCHAT_ISA={forced} is not one of {', '.join(BUILDS)}"
+    missing: list[str] = []
+    for isa in [forced] if forced else BUILDS:
+        flags, cpu = BUILDS[isa][dtype]
+        missing = [f for f in cpu if f not in hardware.cpu_flags()]
+        if not missing:
+            return isa, flags, ""
+    return "", [], f"this CPU lacks {', '.join(missing)}" + (f" (LOCALCHAT_ISA={forced})" if forced else "")
+
+
+def isa(dtype: torch.dtype) -> str:
+    """The instruction set `dtype`'s kernels run in here ('' where they do not run)."""
+    return choose(dtype)[0] if available(dtype) else ""
+
+
 def _load(dtype: torch.dtype) -> str:
     if os.environ.get("LOCALCHAT_KERNELS", "").lower() in ("off", "0", "no", "false"):
         return "turned off (LOCALCHAT_KERNELS=off)"
-    if dtype not in KERNELS:
+    if dtype not in FUNCTIONS:
         return f"no row kernel for {dtype}"
-    name, flags, cpu = KERNELS[dtype]
-    missing = [f for f in cpu if f not in hardware.cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
+    name = FUNCTIONS[dtype]
+    _isa, flags, why = choose(dtype)
+    if why:
+        return why
     lib = build.library(SOURCE, flags)
     if lib is None:
         return build.why(SOURCE, flags)
@@ -75,7 +100,7 @@ def library_like(source: str, dtype: torch.dtype, env: str):
     why = why_not(dtype)
     if why:
         return None, why
-    flags = KERNELS[dtype][1]
+    flags = choose(dtype)[1]
     lib = build.library(source, flags)
     return lib, "" if lib is not None else build.why(source, flags)
 

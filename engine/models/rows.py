@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import row_kernel
+from ..kernels import gemm, row_kernel
 
 # Pass widths probed: every verify width up to 17 (max_draft 16), then the wider ones a
 # larger --max-draft reaches.
@@ -114,7 +114,7 @@ def mm(x: torch.Tensor, w_t: torch.Tensor, pad: bool, kernel: bool = False) -> t
         return row_kernel.linear(x, w_t)
     if pad and x.shape[0] == 1:
         return torch.mm(torch.cat([x, x]), w_t)[:1]
-    return torch.mm(x, w_t)
+    return gemm.mm(x, w_t)
 
 
 def addmm(bias: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, pad: bool, kernel: bool = False) -> torch.Tensor:
@@ -122,4 +122,4 @@ def addmm(bias: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, pad: bool, ker
         return row_kernel.linear(x, w_t, bias)
     if pad and x.shape[0] == 1:
         return torch.addmm(bias, torch.cat([x, x]), w_t)[:1]
-    return torch.addmm(bias, x, w_t)
+    return gemm.mm(x, w_t, bias)

@@ -33,7 +33,7 @@ import threading
 
 import torch
 
-from ..kernels import q4_kernel, q8_kernel
+from ..kernels import gemm, q4_kernel, q8_kernel
 
 INT4_GROUPS = (32, 64, 128, 256)   # what the aten int4 kernels accept
 # Passes of more rows than this (a prompt's prefill) dequantize the weight and run the
@@ -160,7 +160,7 @@ class Int8Weight:
         row is (every kernel here does that); a prefill passes False and, where aten's
         kernel runs, takes it: q8.c is a matrix-vector kernel, slower at tens of rows."""
         if x.shape[0] > GEMM_ROWS:
-            y = torch.mm(x, self._dense_reused(x.dtype).t())
+            y = gemm.mm(x, self._dense_reused(x.dtype).t())
         elif (self.own_kernel and (lone_rows or not self.kernel) and x.dtype == self.scale.dtype
               and not torch.compiler.is_compiling()):
             b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
@@ -231,7 +231,7 @@ class Int4Weight:
                     return q4_kernel.linear(x, self.q, self.scale, self.zero, self.group, bias)
                 w = q4_kernel.dequantize(self.q, self.scale, self.zero, self.group,
                                          out=_reused(*self.shape, torch.bfloat16, x.device))
-                return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
+                return gemm.mm(x, w.t(), bias)
             y = torch.mm(x, self.dense(x.dtype).t())
         elif not self.kernel or x.shape[0] > GEMM_ROWS:
             y = torch.mm(x, self.dense(x.dtype).t())

@@ -1,0 +1,61 @@
+"""The instruction set the C kernels are built for: AVX-512 where the CPU has it (bf16 with
+AVX512-BF16), else AVX2 with FMA, per dtype, from the CPU's flags; `LOCALCHAT_ISA` forces
+one. The AVX2 build is the one most laptops run, so on an AVX-512 machine the kernel tests
+run again under `LOCALCHAT_ISA=avx2`: the same assertions (right against float64, every
+row of a pass a lone row at 1 and 2 threads, greedy equal to plain greedy) on its code."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import hardware
+from engine.kernels import row_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "avx512_bf16", "avx2", "f16c"})
+LAPTOP = frozenset({"avx2", "fma", "f16c", "sse4_2"})
+
+
+def _cpu(monkeypatch, flags):
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+
+
+def test_the_best_build_the_cpu_reports_is_chosen_per_dtype(monkeypatch):
+    monkeypatch.delenv("LOCALCHAT_ISA", raising=False)
+    _cpu(monkeypatch, AVX512)
+    assert [row_kernel.choose(d)[0] for d in (torch.bfloat16, torch.float32)] == ["avx512", "avx512"]
+    _cpu(monkeypatch, AVX512 - {"avx512_bf16"})      # Skylake-X: AVX-512 without its bf16 dot product
+    assert [row_kernel.choose(d)[0] for d in (torch.bfloat16, torch.float32)] == ["avx2", "avx512"]
+    _cpu(monkeypatch, LAPTOP)
+    isa, flags, why = row_kernel.choose(torch.bfloat16)
+    assert (isa, why) == ("avx2", "") and "-mavx2" in flags and not any("512" in f for f in flags)
+    _cpu(monkeypatch, frozenset({"sse4_2"}))
+    assert row_kernel.choose(torch.float32) == ("", [], "this CPU lacks avx2, fma, f16c")
+
+
+def test_forced_by_the_environment(monkeypatch):
+    _cpu(monkeypatch, AVX512)
+    monkeypatch.setenv("LOCALCHAT_ISA", "AVX2")
+    assert row_kernel.choose(torch.bfloat16)[0] == "avx2"
+    _cpu(monkeypatch, LAPTOP)
+    monkeypatch.setenv("LOCALCHAT_ISA", "avx512")
+    assert row_kernel.choose(torch.float32)[2] == "this CPU lacks avx512f, avx512bw, avx512vl (LOCALCHAT_ISA=avx512)"
+    monkeypatch.setenv("LOCALCHAT_ISA", "neon")
+    assert row_kernel.choose(torch.float32)[2] == "LOCALCHAT_ISA=neon is not one of avx512, avx2"
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= hardware.cpu_flags(), reason="this CPU lacks AVX2")
+def test_the_avx2_build_passes_the_kernel_tests():
+    env = {**os.environ, "LOCALCHAT_ISA": "avx2"}
+    check = subprocess.run([sys.executable, "-c", "from engine import kernels; print(kernels.instruction_sets())"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert check.stdout.strip() == "{'bfloat16': 'avx2', 'float32': 'avx2'}", check.stderr
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+                          "tests/test_layer_kernel.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "skipped" not in tail, tail                  # every kernel runs in the AVX2 build
