@@ -248,3 +248,41 @@ def test_a_prefills_bf16_product_is_right_in_either_form(bias):
     want = x.double() @ w.double().t() + (b.double() if bias else 0)
     assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-4 * want.abs().max()).all()
     assert gemm.native_bf16() == (row_kernel.isa(torch.bfloat16) != "avx2")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("M", [20, 100])
+def test_a_quantized_prefill_product_is_the_definition_in_either_form(kind, M):
+    # a prefill (lone_rows=False) of bf16 rows: aten's int8 kernel, q4.c's dequantization
+    # and torch's bf16 GEMM where the CPU has bf16 instructions; else the weight dequantized
+    # block by block in float32 (engine/kernels/gemm.py); within bf16 rounding of float64's
+    from engine.targets import qweights
+    N, K = 2 * (gemm_block() // 1536) + 40, 1536
+    if kind == "int8":
+        c, x, w = _int8(N, K, M, 5, torch.bfloat16)
+        weight = qweights.Int8Weight(c, torch.device("cpu"), torch.bfloat16)
+    else:
+        c, x, w = _int4(N, K, 32, M, seed=5)
+        weight = qweights.Int4Weight(c, torch.device("cpu"), torch.bfloat16, 32)
+    b = torch.randn(N, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = weight.mm(x, b, lone_rows=False)
+    want = x.double() @ w.double().t() + b.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    # the output rounded to bf16 (2^-8 relative); where the GEMM is bf16, each weight was
+    # rounded to bf16 too (2^-9 relative, summed with random signs over K: about 2^-9 of a
+    # typical output, a quarter of that of the largest, here allowed four times over)
+    assert ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 2 ** -9 * want.abs().max()).all()
+
+
+def gemm_block():
+    from engine.kernels import gemm
+    return gemm.BLOCK
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_dequantized_in_float32_is_the_definition(group):
+    c, _, w = _int4(96, 512, group, 1, seed=4)
+    out = torch.empty(96, 512)
+    q4_kernel.dequantize_f32(c["q"], c["scale"], c["zero"], group, out)
+    # one FMA against torch's product then sum: float32 rounding apart at most
+    assert torch.allclose(out, w.float(), rtol=2 ** -22, atol=2 ** -22 * w.abs().max().item())

@@ -29,13 +29,24 @@ def native_bf16() -> bool:
     return row_kernel.isa(torch.bfloat16) != "avx2"
 
 
+def widens(x: torch.Tensor) -> bool:
+    """Whether a prefill's product with these bf16 activations runs in float32 here."""
+    return x.dtype == torch.bfloat16 and x.is_cpu and not native_bf16() and not torch.compiler.is_compiling()
+
+
 def mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w_t (+ bias), as torch.mm / torch.addmm compute it, for any x [M, K] and w_t [K, N]."""
-    if (x.dtype != torch.bfloat16 or w_t.dtype != torch.bfloat16 or not x.is_cpu or native_bf16()
-            or torch.compiler.is_compiling()):
+    if w_t.dtype != torch.bfloat16 or not widens(x):
         return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
     w = w_t.t()                                   # [N, K]
-    N, K = w.shape
+    return blocks(x, w.shape[0], lambda n0, n1, out: out.copy_(w[n0:n1]), bias)
+
+
+def blocks(x: torch.Tensor, N: int, fill, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) in float32, rounded to bf16 once, for a weight w [N, K] that
+    fill(n0, n1, out) writes rows n0..n1-1 of, in float32, into out [n1 - n0, K] (a
+    quantized weight dequantizes itself there, block by block)."""
+    K = x.shape[1]
     xf = x.float()
     y = torch.empty(x.shape[0], N, dtype=torch.bfloat16)
     step = max(1, BLOCK // max(K, 1))
@@ -44,7 +55,8 @@ def mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> 
         buf = _buf.t = torch.empty(step * K, dtype=torch.float32)
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
-        wb = buf[:(n1 - n0) * K].view(n1 - n0, K).copy_(w[n0:n1])
+        wb = buf[:(n1 - n0) * K].view(n1 - n0, K)
+        fill(n0, n1, wb)
         yb = torch.mm(xf, wb.t()) if bias is None else torch.addmm(bias[n0:n1].float(), xf, wb.t())
         y[:, n0:n1] = yb
     return y

@@ -192,6 +192,19 @@ void dequant_q4_bf16(const uint8_t *q, const uint16_t *scale, const uint16_t *ze
 #define Q4_MB 4             /* x rows per pass over a weight row: 8 accumulators, 2 code vectors */
 #define Q4_PREFETCH 2048
 
+/* bf16 values [0, min(n, 8)) of p as float32 lanes, the rest 0 */
+static inline __m256 q4_f32(const uint16_t *p, int n) {
+    __m128i v;
+    if (n >= 8) {
+        v = _mm_loadu_si128((const __m128i *)p);
+    } else {
+        uint16_t tail[8] = {0};
+        memcpy(tail, p, (size_t)n * 2);
+        v = _mm_loadu_si128((const __m128i *)tail);
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
 /* rows [m0, m0+mb) of the rounded x against weight row n:
  *   sum_k x w = sum_b scale_g(b) * sx_b * sum_k xi q + sum_g (zero_g - 8 scale_g) * xsum_g
  * Even and odd blocks accumulate apart (two dependency chains). */
@@ -229,9 +242,12 @@ static inline __attribute__((always_inline)) void q4_rows(
     }
     for (int m = 0; m < mb; m++) {
         const float *xm = xsum + (int64_t)(m0 + m) * G;
-        float c = 0.f;
-        for (int g = 0; g < G; g++) c = fmaf(fmaf(-8.f, from_bf16(sr[g]), from_bf16(zr[g])), xm[g], c);
-        float v = vf_sum(vf_add(acc[0][m], acc[1][m])) + c;
+        vf cv = vf_zero();
+        for (int g0 = 0; g0 < G; g0 += 8) {
+            vf c = vf_fnmadd(vf_set1(8.f), q4_f32(sr + g0, G - g0), q4_f32(zr + g0, G - g0));
+            cv = vf_fmadd(c, vf_load_n(xm + g0, G - g0), cv);
+        }
+        float v = vf_sum(vf_add(acc[0][m], acc[1][m])) + vf_sum(cv);
         if (bias) v += from_bf16(bias[n]);
         y[(int64_t)(m0 + m) * ldy + n] = to_bf16(v);
     }
@@ -310,3 +326,22 @@ void dequant_q4_bf16(const uint8_t *q, const uint16_t *scale, const uint16_t *ze
     }
 }
 #endif
+
+/* w [N, K] float32: (q - 8) * scale + zero, one FMA, not rounded: a prefill's weights where
+ * its products run in float32 (engine/kernels/gemm.py) */
+void dequant_q4_f32(const uint8_t *q, const uint16_t *scale, const uint16_t *zero, int group, float *w, int N,
+                    int K, int threads) {
+    const int G = K / group;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *qr = q + (int64_t)n * (K / 2);
+        float *wr = w + (int64_t)n * K;
+        for (int g = 0; g < G; g++) {
+            float s = from_bf16(scale[(int64_t)n * G + g]), z = from_bf16(zero[(int64_t)n * G + g]);
+            for (int k = g * group; k < (g + 1) * group; k += 2) {
+                wr[k] = fmaf((float)(qr[k / 2] & 15) - 8.f, s, z);
+                wr[k + 1] = fmaf((float)(qr[k / 2] >> 4) - 8.f, s, z);
+            }
+        }
+    }
+}

@@ -51,6 +51,8 @@ def _load() -> str:
     lib.q4_scratch_bytes.argtypes = [I, I, I]
     lib.dequant_q4_bf16.restype = None
     lib.dequant_q4_bf16.argtypes = [P, P, P, I, P, I, I, I]
+    lib.dequant_q4_f32.restype = None
+    lib.dequant_q4_f32.argtypes = [P, P, P, I, P, I, I, I]
     _lib.append(lib)
     # As the row kernel does: its products against float64's before first use.
     g = torch.Generator().manual_seed(0)
@@ -81,6 +83,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: 
     _lib[0].dequant_q4_bf16(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), group, w.data_ptr(), N, K,
                             torch.get_num_threads())
     return w
+
+
+def dequantize_f32(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+                   out: torch.Tensor) -> torch.Tensor:
+    """The same weights in float32, not rounded, into `out` (contiguous [N, K] float32);
+    q, scale and zero contiguous rows (a block of a weight's rows is)."""
+    N, K = q.shape[0], 2 * q.shape[1]
+    _lib[0].dequant_q4_f32(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), group, out.data_ptr(), N, K,
+                           torch.get_num_threads())
+    return out
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,

@@ -159,6 +159,10 @@ class Int8Weight:
         """lone_rows: a step or a verify pass, whose rows must each be computed as a lone
         row is (every kernel here does that); a prefill passes False and, where aten's
         kernel runs, takes it: q8.c is a matrix-vector kernel, slower at tens of rows."""
+        if not lone_rows and gemm.widens(x):
+            scale = self.scale.float()
+            return gemm.blocks(x, self.shape[0], lambda n0, n1, out: out.copy_(self.q[n0:n1]).mul_(scale[n0:n1, None]),
+                               bias)
         if x.shape[0] > GEMM_ROWS:
             y = gemm.mm(x, self._dense_reused(x.dtype).t())
         elif (self.own_kernel and (lone_rows or not self.kernel) and x.dtype == self.scale.dtype
@@ -229,6 +233,9 @@ class Int4Weight:
             if x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
                 if x.shape[0] <= limit:
                     return q4_kernel.linear(x, self.q, self.scale, self.zero, self.group, bias)
+                if gemm.widens(x):
+                    return gemm.blocks(x, self.shape[0], lambda n0, n1, out: q4_kernel.dequantize_f32(
+                        self.q[n0:n1], self.scale[n0:n1], self.zero[n0:n1], self.group, out), bias)
                 w = q4_kernel.dequantize(self.q, self.scale, self.zero, self.group,
                                          out=_reused(*self.shape, torch.bfloat16, x.device))
                 return gemm.mm(x, w.t(), bias)
