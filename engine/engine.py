@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as _checkpoint
-from . import hardware, planner
+from . import hardware, kernels, planner
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
 from .cache import RecurrentCache
 from .errors import BadRequest, CheckpointError
@@ -120,6 +120,8 @@ class Engine:
                 "weights": _weights_label(t), "drafter_note": self.drafter_note,
                 # whether a verify pass's rows are, bit for bit, one-token steps (models/rows.py)
                 "verify_rows": getattr(getattr(t, "impl", None), "rows", None) and t.impl.rows.reason,
+                # the instruction set the C kernels were built for here (engine/kernels/row_kernel.py)
+                "kernels": kernels.note(self.dtype) if self.device.type == "cpu" else "not on this device",
                 # why one-token steps do not run the layer kernel ("" when they do)
                 "layer_kernel": getattr(getattr(t, "impl", None), "layer_kernel_note", "not this forward"),
                 # a mixture of experts: whether its routed experts run in the kernel (models/moe.py)

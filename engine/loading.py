@@ -88,6 +88,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     eng = Engine(ckpt, tokenizer, target, max_draft=max_draft if max_draft is not None else prof.max_draft,
                  draft_tokens=draft_tokens)
     eng.plan = plan
+    target.prefill_chunk = plan.row(plan.chosen).prefill_chunk    # what the plan counted
     eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast, weights=drafter_weights)
     return eng
 

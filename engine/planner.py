@@ -28,6 +28,10 @@ DEFAULT_BANDWIDTH = {"cuda": 900e9, "rocm": 900e9, "mps": 100e9, "cpu": 20e9,
 PREFETCH_DEPTH = 2           # streamed layers in flight: the buffers the streamer owns
 
 
+PREFILL_CHUNK = 512         # tokens a prefill pass runs at most (engine/decode.py)
+STREAMED_PREFILL_CHUNK = 8 * PREFILL_CHUNK    # a streamed pass moves every weight once: fewer, wider
+
+
 @dataclass
 class PlanRow:
     profile: str
@@ -53,6 +57,7 @@ class PlanRow:
     read_per_token: int = 0      # the bytes a one-token pass reads (a mixture: only its routed experts)
     mapped_experts: int = 0      # a mixture's quantized experts left memory-mapped on disk (not in the budget)
     disk_per_token: int = 0      # of read_per_token, what comes from disk when they are routed to
+    prefill_chunk: int = PREFILL_CHUNK   # tokens a prefill pass runs at most (counted in activations)
 
     @property
     def short_by(self) -> int:
@@ -78,13 +83,17 @@ class Plan:
         return asdict(self)
 
 
-def activation_bytes(shape: ModelShape, positions: int, context: int) -> int:
-    """Peak transient memory of a verify pass over `positions` tokens: hidden states and
-    the widest intermediates, attention scores if the math path materialises them, and
-    the float32 logits of every position."""
+
+
+def activation_bytes(shape: ModelShape, positions: int, context: int, chunk: int = PREFILL_CHUNK) -> int:
+    """Peak transient memory of the widest pass: a verify pass over `positions` tokens or a
+    prefill chunk of `chunk`, whichever is wider: hidden states and the widest
+    intermediates, attention scores if the math path materialises them; and the float32
+    logits of every position of a verify pass (a prefill's are the last token's only)."""
+    wide = max(positions, min(chunk, context))         # no pass is wider than the context
     per_pos = (4 * shape.hidden + 2 * shape.intermediate + (shape.heads + 2 * shape.kv_heads) * shape.head_dim)
-    hidden = positions * per_pos * max(shape.dtype_bytes, 4)
-    scores = positions * shape.heads * context * 4
+    hidden = wide * per_pos * max(shape.dtype_bytes, 4)
+    scores = wide * shape.heads * context * 4
     logits = positions * shape.vocab * 4
     return hidden + scores + logits
 
@@ -106,7 +115,7 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
         # Python runtime lives outside it.
         runtime = 0
     profiles = sorted(profiles, key=lambda p: (p.rank, p.name))    # the choice below takes the first that fits
-    rows = [_row(shape, hw, p, context, drafter, runtime, kind, bw, drafter_weights, quant_act_bytes)
+    rows = [_chunked_row(shape, hw, p, context, drafter, runtime, kind, bw, drafter_weights, quant_act_bytes)
             for p in profiles]
     skip = [] if runnable is None else [p.name for p in profiles if p.name not in runnable]
     if force:
@@ -136,9 +145,21 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
     return Plan(shape.name, hw.device, hw.budget_bytes, rows, best.profile, reason, bw, skip)
 
 
+def _chunked_row(shape, hw, p: Profile, context: int, *args) -> PlanRow:
+    """The profile's row with the widest prefill chunk that fits: the nominal one, else
+    halved down to one verify pass (a small budget prefills in smaller chunks rather than
+    refuse the profile)."""
+    chunk = min(STREAMED_PREFILL_CHUNK if p.placement == "streamed" else PREFILL_CHUNK, context)
+    while True:
+        row = _row(shape, hw, p, context, *args, chunk=chunk)
+        if row.fits or chunk <= p.max_draft + 1:
+            return row
+        chunk = max(p.max_draft + 1, chunk // 2)
+
+
 def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: ModelShape | None,
          runtime: int, kind: str, bw: dict, drafter_weights: str = "exact",
-         quant_act_bytes: int | None = None) -> PlanRow:
+         quant_act_bytes: int | None = None, chunk: int = PREFILL_CHUNK) -> PlanRow:
     budget = hw.budget_bytes
     if p.weights in ("int8", "int4") and quant_act_bytes:
         shape = replace(shape, dtype_bytes=quant_act_bytes)
@@ -146,7 +167,7 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     draft_bytes = 0
     if drafter is not None and p.drafter in ("auto", "model"):
         draft_bytes = drafter.weight_bytes(drafter_weights) + drafter.kv_bytes_per_token() * context
-    act = activation_bytes(shape, p.max_draft + 1, context)
+    act = activation_bytes(shape, p.max_draft + 1, context, chunk)
     # A fixed margin suits a GPU; a small --vram budget (a CPU "device" in tests, a small
     # card) keeps a tenth of itself free instead of more than it has.
     margin = min(p.margin_mib * 2**20, budget // 10)
@@ -191,7 +212,8 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
                    + place.disk_streamed_bytes / bw["disk"])
     return PlanRow(p.name, p.summary, weights, kv, draft_bytes, act, runtime, margin, total, budget, fits,
                    context, int(max_context), resident, host, disk, streamed,
-                   1.0 / seconds if seconds > 0 else 0.0, note, state, read, mapped, from_disk)
+                   1.0 / seconds if seconds > 0 else 0.0, note, state, read, mapped, from_disk,
+                   max(chunk, p.max_draft + 1))
 
 
 # A mixture's experts are left on disk only while what a token reads from there keeps at

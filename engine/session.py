@@ -153,27 +153,39 @@ class Chat(Messages):
             target.cache.rollback(keep)
             self.cached_ids = self.cached_ids[:keep]
             tracker = StatsTracker(target, len(prompt), len(prompt) - keep)
-            first = decoding.prefill(target, prompt[keep:])
-            self.cached_ids = list(prompt)
-            target.cache.checkpoint()      # the turn boundary a re-rendered next turn can restore
-            tracker.prefill_done()
-            gen = make_generator(params, target.device)
-            passes = speculative.generate(target, eng.drafter, self.controller, self.cached_ids, first, params, gen,
-                                          max_new_tokens, eng.stop_ids, self._cancel, tracker.rounds)
-            for i, tokens in enumerate(passes):
-                tracker.pass_done(len(tokens), first=i == 0)
-                generated.extend(tokens)
-                shown = [t for t in tokens if t not in eng.stop_ids]
-                delta = detok.push(shown) if shown else ""
-                if delta:
-                    answer["content"] += delta
-                    yield TextDelta(delta)
-                if tokens[-1] in eng.stop_ids:
-                    reason = "stop"
-                if tracker.due():
+            first = None
+            # In chunks: Esc, Ctrl-C or a client gone stops a long prompt within one chunk,
+            # and each chunk but the last reports progress.
+            for done, first in decoding.prefill_chunks(target, prompt[keep:]):
+                self.cached_ids = prompt[:keep + done]
+                if first is None:
+                    tracker.prefill_progress(done)
                     yield tracker.snapshot()
-            if self._cancel.is_set():
+                    if self._cancel.is_set():
+                        break
+            if first is None:               # stopped within the prefill: no token to show yet
                 reason = "cancelled"
+            else:
+                self.cached_ids = list(prompt)
+                target.cache.checkpoint()      # the turn boundary a re-rendered next turn can restore
+                tracker.prefill_done()
+                gen = make_generator(params, target.device)
+                passes = speculative.generate(target, eng.drafter, self.controller, self.cached_ids, first, params, gen,
+                                              max_new_tokens, eng.stop_ids, self._cancel, tracker.rounds)
+                for i, tokens in enumerate(passes):
+                    tracker.pass_done(len(tokens), first=i == 0)
+                    generated.extend(tokens)
+                    shown = [t for t in tokens if t not in eng.stop_ids]
+                    delta = detok.push(shown) if shown else ""
+                    if delta:
+                        answer["content"] += delta
+                        yield TextDelta(delta)
+                    if tokens[-1] in eng.stop_ids:
+                        reason = "stop"
+                    if tracker.due():
+                        yield tracker.snapshot()
+                if self._cancel.is_set():
+                    reason = "cancelled"
         except EngineError as exc:
             reason, error = "error", str(exc)
         except RuntimeError as exc:   # torch failures (out of memory, a read error) end the answer, not the app

@@ -14,6 +14,7 @@ class StatsTracker:
         self.prompt_tokens = prompt_tokens
         self.prefill_tokens = prefill_tokens
         self.prefill_seconds = 0.0
+        self.prefilled = 0          # prefill tokens run so far
         self.generated = 0
         self.decode_tokens = 0      # tokens produced by decode passes (the first comes from prefill)
         self.decode_seconds = 0.0
@@ -22,9 +23,15 @@ class StatsTracker:
         self._last_emit = 0.0
         self._stream0 = target.stream_stats() if hasattr(target, "stream_stats") else None
 
+    def prefill_progress(self, done: int) -> None:
+        """`done` of the prefill's tokens have run (a chunked prefill, on its way)."""
+        self.prefilled = done
+        self.prefill_seconds = time.perf_counter() - self._t0
+
     def prefill_done(self) -> None:
         now = time.perf_counter()
         self.prefill_seconds = now - self._t0
+        self.prefilled = self.prefill_tokens
         self._t0 = now
 
     def pass_done(self, tokens: int, first: bool) -> None:
@@ -56,8 +63,9 @@ class StatsTracker:
         return Stats(**stream,
             prompt_tokens=self.prompt_tokens,
             prefill_tokens=self.prefill_tokens,
+            prefill_pending=self.prefill_tokens - self.prefilled if self.prefilled else 0,
             prefill_seconds=self.prefill_seconds,
-            prefill_tps=self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0,
+            prefill_tps=self.prefilled / self.prefill_seconds if self.prefill_seconds else 0.0,
             generated_tokens=self.generated,
             decode_seconds=self.decode_seconds,
             decode_tps=self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,

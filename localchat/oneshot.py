@@ -45,6 +45,27 @@ def format_stats(s) -> str:
     return line + f" · peak memory {human_bytes(peak)}"
 
 
+class PrefillProgress:
+    """With --stats on a terminal: a long prompt's prefill as it runs, on one stderr line
+    that the answer's first text replaces."""
+
+    def __init__(self, on: bool):
+        self.on, self.shown = on, False
+
+    def show(self, s) -> None:
+        if self.on and s.prefill_pending:
+            print(f"\rprefill {s.prefill_tokens - s.prefill_pending}/{s.prefill_tokens} tokens · {s.prefill_tps:.0f} tok/s",
+                  end="", file=sys.stderr, flush=True)
+            self.shown = True
+        elif self.shown:
+            self.clear()
+
+    def clear(self) -> None:
+        if self.shown:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+            self.shown = False
+
+
 def remote_line(s) -> str:
     """An answer a backend wrote: measured here, and the server's own figures if it sent them."""
     line = (f"backend {s.backend} · first token {s.ttft_seconds:.2f} s · decode {s.decode_tps:.1f} tok/s "
@@ -116,6 +137,7 @@ def run_oneshot(args, settings) -> int:
     out = sys.stdout
     stream = not args.json
     done, stats, wrote_newline = None, None, True
+    progress = PrefillProgress(args.stats and sys.stderr.isatty())
     try:
         for ev in chat.send(prompt, max_new_tokens=settings.max_tokens, temperature=settings.temperature,
                             top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed):
@@ -126,6 +148,7 @@ def run_oneshot(args, settings) -> int:
                     wrote_newline = ev.text.endswith("\n")
             elif isinstance(ev, engine.Stats):
                 stats = ev
+                progress.show(ev)
             elif isinstance(ev, engine.Done):
                 done = ev
     except engine.BadRequest as exc:
@@ -144,6 +167,7 @@ def run_oneshot(args, settings) -> int:
         log.answer(chat.last_done or engine.Done("cancelled", text=partial_answer(chat)), stats)
         sys.stderr.close()
         return EXIT_OK
+    progress.clear()
     log.answer(done, stats)
     if args.json:
         record = {"model": eng.name, "text": done.text, "token_ids": list(done.token_ids),

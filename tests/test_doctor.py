@@ -61,8 +61,11 @@ def test_sizes_print_with_enough_figures_to_differ():
     shape = planner.ModelShape("m", 2, 64, 4, 2, 16, 128, 400, 4, 10**6, 10**5, False, 2)
     hw = hardware.Hardware((), 10**10, 10**10, 10**10, "/", "cpu", 2, False, "cpu", 10**9, ("vram",))
     row = planner.make_plan(shape, hw, profiles.builtin(), context=64).row("resident-exact")
-    # A small budget keeps a tenth of itself as margin: need = rest + budget / 10.
-    budget = int((row.total - row.margin) / 0.9) - 3000
+    # A small budget keeps a tenth of itself as margin: need = rest + budget / 10; and it
+    # prefills in chunks as narrow as one verify pass before it refuses (planner._chunked_row).
+    positions = profiles.find(profiles.builtin(), "resident-exact").max_draft + 1
+    rest = row.total - row.margin - row.activations + planner.activation_bytes(shape, positions, 64, positions)
+    budget = int(rest / 0.9) - 3000
     short = hardware.Hardware((), 10**10, 10**10, 10**10, "/", "cpu", 2, False, "cpu", budget, ("vram",))
     with pytest.raises(BadRequest) as err:
         planner.make_plan(shape, short, profiles.builtin(), context=64, force="resident-exact")

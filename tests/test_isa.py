@@ -59,3 +59,17 @@ def test_the_avx2_build_passes_the_kernel_tests():
     tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr
     assert out.returncode == 0, out.stdout[-3000:]
     assert "skipped" not in tail, tail                  # every kernel runs in the AVX2 build
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= hardware.cpu_flags(), reason="this CPU lacks AVX2")
+def test_doctor_and_describe_name_the_build_that_runs(tiny_llama):
+    env = {**os.environ, "LOCALCHAT_ISA": "avx2", "HF_HUB_OFFLINE": "1"}
+    doctor = subprocess.run([sys.executable, "-m", "localchat", "doctor", "--model", str(tiny_llama)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert doctor.returncode == 0, doctor.stderr
+    assert "Row kernels (bfloat16 AVX2, float32 AVX2)" in doctor.stdout, doctor.stdout
+    code = ("import engine, sys; e = engine.open(sys.argv[1], dtype='float32', drafter='none'); "
+            "print(e.describe()['kernels'])")
+    desc = subprocess.run([sys.executable, "-c", code, str(tiny_llama)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert desc.returncode == 0 and desc.stdout.strip().splitlines()[-1] == "the avx2 build", desc.stderr

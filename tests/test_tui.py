@@ -238,3 +238,40 @@ def test_status_bar_figures_are_short_and_readable():
     assert [rate(0.0), rate(71.67), rate(286.4)] == ["–", "71.7", "286"]
 
 
+
+
+def test_a_long_prompt_shows_its_prefill_and_escape_stops_it_within_a_chunk(tiny_engine):
+    """A prompt of several chunks: the status bar shows the prefill's progress, and Esc stops
+    it at the end of the chunk that is running, with no answer. The second chunk is held
+    until the first one's progress is on screen, so nothing depends on the machine's speed."""
+    from engine import decode
+    calls, shown = [], threading.Event()
+    forward = tiny_engine.target.forward
+
+    def gated(ids, *args, **kwargs):
+        calls.append(len(ids))
+        if len(calls) == 2:
+            shown.wait(DEADLINE)
+        return forward(ids, *args, **kwargs)
+    tiny_engine.target.forward = gated
+    prompt = " ".join(f"word{i % 97}" for i in range(420))       # about 2,900 tokens here
+
+    async def main():
+        app = ChatApp(loader(tiny_engine), Settings(max_tokens=8))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
+            app.query_one("#prompt").text = prompt
+            await pilot.press("enter")
+            chunk = decode.PREFILL_CHUNK
+            await wait_for(pilot, lambda: f"prefill {chunk}/" in app.status_bar.text, what="the prefill's progress")
+            await pilot.press("escape")
+            shown.set()
+            await wait_for(pilot, lambda: not app.generating, what="the prefill to stop")
+            done = app.chat.last_done
+            assert done.reason == "cancelled" and done.token_ids == ()
+            assert calls == [chunk, chunk]                 # the chunk shown, and the one Esc came during
+            assert tiny_engine.target.cache.length == 2 * chunk
+    try:
+        asyncio.run(main())
+    finally:
+        shown.set()

@@ -21,3 +21,13 @@ def instruction_sets() -> dict[str, str]:
     the dtypes whose kernels run."""
     from . import row_kernel
     return {str(d).removeprefix("torch."): row_kernel.isa(d) for d in row_kernel.FUNCTIONS if row_kernel.isa(d)}
+
+
+def note(dtype) -> str:
+    """Which build of the kernels a pass in `dtype` runs here, or why none does: one line for
+    Engine.describe()."""
+    from . import row_kernel
+    if dtype not in row_kernel.FUNCTIONS:
+        return f"no kernels for {dtype}"
+    why = row_kernel.why_not(dtype)
+    return f"the {row_kernel.isa(dtype)} build" if not why else f"none ({why}): torch's kernels"

@@ -132,6 +132,7 @@ class StreamedTarget:
         self.modules = llama_family.can_run(skeleton) is not None
         self.path = Path(path)
         self.kind = "streamed"
+        self.prefill_chunk = planner.STREAMED_PREFILL_CHUNK    # the plan's, when loaded under one
         self.fallback_reason = None
         self.depth = depth
         self.bandwidth = dict(planner.DEFAULT_BANDWIDTH, **(bandwidth or {}))

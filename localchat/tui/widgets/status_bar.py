@@ -47,7 +47,11 @@ class StatusBar(Widget):
         s = self.stats or Stats(context_max=self.context_max)
         if getattr(s, "backend", ""):
             return self._backend(line, s)
-        fields = [f"prefill {rate(s.prefill_tps)} · decode {rate(s.decode_tps)} tok/s"]
+        if s.prefill_pending:
+            # a long prompt on its way through prefill, chunk by chunk
+            fields = [f"prefill {s.prefill_tokens - s.prefill_pending}/{s.prefill_tokens} · {rate(s.prefill_tps)} tok/s"]
+        else:
+            fields = [f"prefill {rate(s.prefill_tps)} · decode {rate(s.decode_tps)} tok/s"]
         if s.drafted_tokens:
             # Speculative decoding at work: tokens each target pass adds, how many drafts
             # the target kept, and the draft length chosen for the last round.
