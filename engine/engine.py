@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as _checkpoint
-from . import hardware, kernels, planner
+from . import kernels, planner
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
 from .cache import RecurrentCache
 from .errors import BadRequest, CheckpointError
@@ -166,7 +166,7 @@ def _check_drafter(kind: str, draft_model: str | None, weights: str = "auto") ->
 
 def _pick_dtype(dtype: str | None, dev, path: Path):
     if dtype in (None, "auto"):
-        return hardware.default_dtype(dev, checkpoint_dtype(path))
+        return kernels.default_dtype(dev, checkpoint_dtype(path))
     if dtype in _DTYPES:
         return _DTYPES[dtype]
     raise BadRequest(f"--dtype {dtype}: use float32, bfloat16 or float16")

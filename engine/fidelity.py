@@ -97,7 +97,7 @@ def measure_formats(path, device, formats=("int8", "int4"), limit: int = 512, ca
 
     from .targets.quantized import load_quantized
     from .targets.resident import checkpoint_dtype, load_resident
-    from . import hardware
+    from . import kernels
 
     path = Path(path)
     store = _store(path, limit, cache_dir)
@@ -108,7 +108,7 @@ def measure_formats(path, device, formats=("int8", "int4"), limit: int = 512, ca
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         texts = held_texts(tokenizer, limit)
-        exact = load_resident(path, device, hardware.default_dtype(device, checkpoint_dtype(path)))
+        exact = load_resident(path, device, kernels.default_dtype(device, checkpoint_dtype(path)))
         for fmt in todo:      # one candidate at a time: a large model need not fit three times
             cand = load_quantized(path, device, fmt, cache_dir=cache_dir)
             known[fmt] = measure(exact, cand, texts)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import bandwidth, hardware, planner, profiles
+from . import bandwidth, hardware, kernels, planner, profiles
 from . import checkpoint as _checkpoint
 from .engine import Engine, _check_drafter, _load_tokenizer, _pick_dtype
 from .errors import BadRequest
@@ -96,7 +96,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
 def quant_act_dtype(dev, requested=None) -> torch.dtype:
     """What a quantized target computes in: the requested dtype, else bf16 where the device
     has it natively (what load_quantized picks)."""
-    return requested or hardware.default_dtype(dev, torch.bfloat16)
+    return requested or kernels.default_dtype(dev, torch.bfloat16)
 
 
 def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context,

@@ -73,3 +73,15 @@ def test_doctor_and_describe_name_the_build_that_runs(tiny_llama):
     desc = subprocess.run([sys.executable, "-c", code, str(tiny_llama)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert desc.returncode == 0 and desc.stdout.strip().splitlines()[-1] == "the avx2 build", desc.stderr
+
+
+def test_a_bf16_checkpoint_computes_in_bf16_wherever_the_bf16_kernels_run(monkeypatch):
+    # a CPU without bf16 instructions (an AVX2 laptop): torch's bf16 is slow there, ours is not
+    from engine import kernels
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(hardware, "fast_bf16", lambda device: False)
+    if row_kernel.available(torch.bfloat16):
+        assert kernels.default_dtype(cpu, torch.bfloat16) == torch.bfloat16
+    assert kernels.default_dtype(cpu, torch.float32) == torch.float32      # exact stays exact
+    monkeypatch.setattr(row_kernel, "_state", {torch.bfloat16: "turned off (test)"})
+    assert kernels.default_dtype(cpu, torch.bfloat16) == torch.float32     # torch's kernels: float32

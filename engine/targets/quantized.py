@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import hardware
+from .. import kernels as lc_kernels
 from ..cache import KVCache
 from ..checkpoint import default_cache_dir
 from ..errors import BadRequest, CheckpointError, UnsupportedModel
@@ -126,7 +126,7 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
     if weights not in FORMATS:
         raise BadRequest(f"--weights {weights}: use one of {', '.join(FORMATS)} for a quantized target")
     device = torch.device(device)
-    act_dtype = act_dtype or hardware.default_dtype(device, torch.bfloat16)
+    act_dtype = act_dtype or lc_kernels.default_dtype(device, torch.bfloat16)
     cfg, skeleton, why_not = _skeleton(path)
     group = group_size if weights == "int4" else None
     settings = {"source": source_identity(path), "weights": weights, "group": group,
