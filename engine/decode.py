@@ -19,10 +19,6 @@ import torch
 from .planner import PREFILL_CHUNK
 
 
-def chunk_of(target) -> int:
-    return getattr(target, "prefill_chunk", PREFILL_CHUNK)
-
-
 def prefill(target, ids: list[int]) -> torch.Tensor:
     logits = None
     for _, logits in prefill_chunks(target, ids):
@@ -33,7 +29,7 @@ def prefill(target, ids: list[int]) -> torch.Tensor:
 def prefill_chunks(target, ids: list[int]) -> Iterator[tuple[int, torch.Tensor | None]]:
     """(tokens run so far, None) after each chunk but the last, then (len(ids), logits of
     the last token). The caller may stop between chunks: the cache then holds what ran."""
-    step = chunk_of(target)
+    step = getattr(target, "prefill_chunk", PREFILL_CHUNK)
     for a in range(0, len(ids), step):
         out = target.forward(ids[a:a + step])
         if a + step >= len(ids):

@@ -26,8 +26,6 @@ RUNTIME_BYTES = {"cuda": 600 * 2**20, "rocm": 700 * 2**20, "mps": 300 * 2**20, "
 DEFAULT_BANDWIDTH = {"cuda": 900e9, "rocm": 900e9, "mps": 100e9, "cpu": 20e9,
                      "host_to_device": 24e9, "disk": 1.5e9}
 PREFETCH_DEPTH = 2           # streamed layers in flight: the buffers the streamer owns
-
-
 PREFILL_CHUNK = 512         # tokens a prefill pass runs at most (engine/decode.py)
 STREAMED_PREFILL_CHUNK = 8 * PREFILL_CHUNK    # a streamed pass moves every weight once: fewer, wider
 
@@ -81,8 +79,6 @@ class Plan:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
 
 
 def activation_bytes(shape: ModelShape, positions: int, context: int, chunk: int = PREFILL_CHUNK) -> int:

@@ -277,7 +277,7 @@ def _kernel_text() -> str:
     lines = []
     if ready:
         isa = kernels.instruction_sets()
-        built = ", ".join(f"{d} {ISA_NAMES.get(isa.get(d, ''), isa.get(d, ''))}" for d in ready)
+        built = ", ".join(f"{d} {ISA_NAMES[isa[d]]}" for d in ready)
         lines.append(f"Row kernels ({built}): one-token steps and verify passes run localchat's own "
                      "products, built here; prefill runs torch's")
     lines += [f"Row kernel ({d}): not used, {why}; torch's kernels instead" for d, why in rows.items() if why]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import build, q4_kernel, q8_kernel, row_kernel
+from engine.kernels import build, gemm, q4_kernel, q8_kernel, row_kernel
 from engine.models import rows
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -237,7 +237,6 @@ def test_int4_dequantized_for_a_prefill_is_the_definition_rounded_once(N, K, gro
 def test_a_prefills_bf16_product_is_right_in_either_form(bias):
     # torch's bf16 GEMM where the CPU has bf16 instructions, else float32's over the weight
     # widened block by block (three blocks and a tail here): either is float32 sums rounded once
-    from engine.kernels import gemm
     g = torch.Generator().manual_seed(3)
     K, N = 2048, 3 * (gemm.BLOCK // 2048) + 100
     x = torch.randn(44, K, generator=g).to(torch.bfloat16)
@@ -257,7 +256,7 @@ def test_a_quantized_prefill_product_is_the_definition_in_either_form(kind, M):
     # and torch's bf16 GEMM where the CPU has bf16 instructions; else the weight dequantized
     # block by block in float32 (engine/kernels/gemm.py); within bf16 rounding of float64's
     from engine.targets import qweights
-    N, K = 2 * (gemm_block() // 1536) + 40, 1536
+    N, K = 2 * (gemm.BLOCK // 1536) + 40, 1536
     if kind == "int8":
         c, x, w = _int8(N, K, M, 5, torch.bfloat16)
         weight = qweights.Int8Weight(c, torch.device("cpu"), torch.bfloat16)
@@ -272,11 +271,6 @@ def test_a_quantized_prefill_product_is_the_definition_in_either_form(kind, M):
     # rounded to bf16 too (2^-9 relative, summed with random signs over K: about 2^-9 of a
     # typical output, a quarter of that of the largest, here allowed four times over)
     assert ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 2 ** -9 * want.abs().max()).all()
-
-
-def gemm_block():
-    from engine.kernels import gemm
-    return gemm.BLOCK
 
 
 @pytest.mark.parametrize("group", [32, 128])

@@ -27,8 +27,6 @@ def note(dtype) -> str:
     """Which build of the kernels a pass in `dtype` runs here, or why none does: one line for
     Engine.describe()."""
     from . import row_kernel
-    if dtype not in row_kernel.FUNCTIONS:
-        return f"no kernels for {dtype}"
     why = row_kernel.why_not(dtype)
     return f"the {row_kernel.isa(dtype)} build" if not why else f"none ({why}): torch's kernels"
 

@@ -114,7 +114,7 @@ def mm(x: torch.Tensor, w_t: torch.Tensor, pad: bool, kernel: bool = False) -> t
         return row_kernel.linear(x, w_t)
     if pad and x.shape[0] == 1:
         return torch.mm(torch.cat([x, x]), w_t)[:1]
-    return gemm.mm(x, w_t)
+    return torch.mm(x, w_t) if kernel else gemm.mm(x, w_t)      # a prefill's products may round apart
 
 
 def addmm(bias: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, pad: bool, kernel: bool = False) -> torch.Tensor:
@@ -122,4 +122,4 @@ def addmm(bias: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, pad: bool, ker
         return row_kernel.linear(x, w_t, bias)
     if pad and x.shape[0] == 1:
         return torch.addmm(bias, torch.cat([x, x]), w_t)[:1]
-    return gemm.mm(x, w_t, bias)
+    return torch.addmm(bias, x, w_t) if kernel else gemm.mm(x, w_t, bias)

@@ -164,7 +164,7 @@ class Int8Weight:
             return gemm.blocks(x, self.shape[0], lambda n0, n1, out: out.copy_(self.q[n0:n1]).mul_(scale[n0:n1, None]),
                                bias)
         if x.shape[0] > GEMM_ROWS:
-            y = gemm.mm(x, self._dense_reused(x.dtype).t())
+            y = torch.mm(x, self._dense_reused(x.dtype).t())
         elif (self.own_kernel and (lone_rows or not self.kernel) and x.dtype == self.scale.dtype
               and not torch.compiler.is_compiling()):
             b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
@@ -238,7 +238,7 @@ class Int4Weight:
                         self.q[n0:n1], self.scale[n0:n1], self.zero[n0:n1], self.group, out), bias)
                 w = q4_kernel.dequantize(self.q, self.scale, self.zero, self.group,
                                          out=_reused(*self.shape, torch.bfloat16, x.device))
-                return gemm.mm(x, w.t(), bias)
+                return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
             y = torch.mm(x, self.dense(x.dtype).t())
         elif not self.kernel or x.shape[0] > GEMM_ROWS:
             y = torch.mm(x, self.dense(x.dtype).t())
