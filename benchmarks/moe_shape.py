@@ -12,7 +12,7 @@ reads the checkpoint in bf16, and int4 in groups of 32 quantized from it. Same p
 2 threads each; one row (a format) at a time, so one pair of models is in memory; rounds
 interleaved within a row, medians.
 
-    python benchmarks/moe_shape.py [--layers 4] [--rounds 3] [--tokens 48] [--only bf16,q4]
+    python benchmarks/moe_shape.py [--layers 4] [--rounds 3] [--tokens 48] [--only bf16,q8,q4]
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ SHAPE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, he
              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
              moe_intermediate_size=512, shared_expert_intermediate_size=512, rms_norm_eps=1e-6,
              tie_word_embeddings=False, max_position_embeddings=4096)
-ROWS = {"bf16": ({"dtype": "bfloat16"}, "BF16"), "q4": ({"profile": "resident-int4"}, "Q4_1")}
+ROWS = {"bf16": ({"dtype": "bfloat16"}, "BF16"), "q8": ({"profile": "resident-int8"}, "Q8_0"),
+        "q4": ({"profile": "resident-int4"}, "Q4_1")}
 LLAMA_VERSION = "0.3.36"
 
 
@@ -94,23 +95,30 @@ runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def ggufs(hf: Path, folder: Path) -> dict[str, Path]:
-    bf16, q4 = folder / "moe-BF16.gguf", folder / "moe-Q4_1.gguf"
+def ggufs(hf: Path, folder: Path, formats: list[str]) -> dict[str, Path]:
+    """The BF16 GGUF by llama.cpp's converter, and the quantized ones `formats` name by its quantizer."""
+    bf16 = folder / "moe-BF16.gguf"
     if not bf16.exists():
         src = llama_source(folder)
         part = folder / "moe-BF16.partial.gguf"
         subprocess.run([sys.executable, "-c", CONVERT.format(src=str(src), hf=str(hf), out=str(part))], check=True)
         part.replace(bf16)
-    if not q4.exists():
+    files = {"BF16": bf16}
+    for fmt in formats:
+        if fmt == "BF16":
+            continue
+        files[fmt] = out = folder / f"moe-{fmt}.gguf"
+        if out.exists():
+            continue
         import llama_cpp
-        part = folder / "moe-Q4_1.partial.gguf"
+        part = folder / f"moe-{fmt}.partial.gguf"
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{fmt}")
         params.nthread = torch.get_num_threads()
         if llama_cpp.llama_model_quantize(str(bf16).encode(), str(part).encode(), params) != 0:
-            raise SystemExit(f"llama.cpp could not quantize {bf16}")
-        part.replace(q4)
-    return {"BF16": bf16, "Q4_1": q4}
+            raise SystemExit(f"llama.cpp could not quantize {bf16} to {fmt}")
+        part.replace(out)
+    return files
 
 
 def no_extra_buffers() -> None:
@@ -146,12 +154,13 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     hf = build(folder, args.layers)
-    files = ggufs(hf, folder)
+    only = [r for r in args.only.split(",") if r]
+    files = ggufs(hf, folder, [ROWS[r][1] for r in only])
     print(f"model and GGUFs ready in {time.perf_counter() - t0:.0f} s", flush=True)
     shape = ModelShape.from_checkpoint(hf)
     threads = torch.get_num_threads()
     out_rows, samples_all, rates = [], {}, []
-    for r in [r for r in args.only.split(",") if r]:
+    for r in only:
         kw, fmt = ROWS[r]
         eng = open_ours({"model": str(hf), **kw}, cache, False)
         llm = Llama(model_path=str(files[fmt]), n_ctx=1024, n_batch=512, n_threads=threads,
@@ -160,7 +169,7 @@ def main() -> None:
         contenders = {f"ours {r}": (ours_once, eng), f"llama.cpp {fmt}": (llama_once, llm)}
         samples, bw, fig = interleaved(contenders, ids, args.tokens, -1, args.rounds)
         ours, peer = fig(f"ours {r}"), fig(f"llama.cpp {fmt}")
-        weights = "int4" if r == "q4" else "exact"
+        weights = {"q4": "int4", "q8": "int8"}.get(r, "exact")
         row = {"row": r, "llama_format": fmt, "ours": ours, "llama_cpp": peer,
                "decode_ratio": round(ours["decode_tps"] / peer["decode_tps"], 3),
                "prefill_ratio": round(ours["prefill_tps"] / peer["prefill_tps"], 3),

@@ -67,21 +67,36 @@ def test_kernel_computes_the_experts_module_and_every_row_alone(dtype):
     assert (runs[0].float() - want).abs().max() <= 4 * ulp
 
 
-def test_int4_experts_take_the_kernel_and_equal_the_packed_loop(tmp_path, tokenizer):
+@pytest.mark.parametrize("fmt,dtype", [("int4", None), ("int8", "bfloat16"), ("int8", "float32")])
+def test_quantized_experts_take_the_kernel_and_equal_the_packed_loop(tmp_path, tokenizer, fmt, dtype):
     path = build_model(tmp_path / "m", "qwen3_5_moe", layers=4, tokenizer=tokenizer, seed=3)
-    eng = engine.open(str(path), drafter="none", profile="resident-int4", cache_dir=tmp_path)
-    if moe_kernel.why_not(torch.bfloat16):
+    eng = engine.open(str(path), drafter="none", profile=f"resident-{fmt}", dtype=dtype, cache_dir=tmp_path)
+    act = eng.target.cache.dtype
+    if moe_kernel.why_not(act) or (fmt == "int4" and act != torch.bfloat16):
         assert "transformers' experts loop" in eng.describe().get("experts", "")
         return
     assert "one C call a pass" in eng.describe()["experts"]
     block = next(m for m in eng.target.impl.model.modules() if type(m).__name__ == "PackedExperts")
+    assert all(getattr(w, "own_kernel" if fmt == "int8" else "canonical") for w in block.gate_up + block.down)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
-    idx = torch.tensor([[0, 1], [3, 2], [1, 3], [2, 0], [3, 1]])
-    w = torch.rand(5, 2, generator=g).to(torch.bfloat16)
+    T = 7
+    x = torch.randn(T, 64, generator=g).to(act)
+    idx = torch.tensor([[0, 1], [3, 2], [1, 3], [2, 0], [3, 1], [0, 3], [2, 1]])
+    w = torch.rand(T, 2, generator=g).to(act)
     loop = type(block).forward(block, x, idx, w).float()         # the packed weights' own loop
-    got = block(x, idx, w).float()
-    assert (got - loop).abs().max() <= 4 * torch.finfo(torch.bfloat16).eps * loop.abs().max()
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(block(x, idx, w))
+            alone = torch.cat([block(x[i:i + 1], idx[i:i + 1], w[i:i + 1]) for i in range(T)])
+            assert torch.equal(alone, runs[-1]), n                  # every row a lone row's bits
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(runs[0], runs[1])
+    got = runs[0].float()
+    assert (got - loop).abs().max() <= 4 * torch.finfo(act).eps * loop.abs().max()
 
 
 def test_every_profile_reports_where_the_experts_ran(tmp_path, tokenizer):
@@ -91,9 +106,7 @@ def test_every_profile_reports_where_the_experts_ran(tmp_path, tokenizer):
         eng = engine.open(str(path), drafter="none", profile=profile, dtype=dtype, cache_dir=tmp_path)
         note = eng.describe()["experts"]
         act = eng.target.cache.dtype
-        if profile == "resident-int8":
-            assert "experts loop (int8 experts" in note or "experts loop" in note
-        elif not moe_kernel.why_not(act):
+        if not moe_kernel.why_not(act):
             assert note.startswith("the experts of 4 sparse blocks run in one C call"), (profile, note)
         assert list(eng.chat().send("hi", max_new_tokens=4))[-1].reason == "length"
 

@@ -11,9 +11,9 @@ greedy. The router, its top-k and the shared expert stay in the model's own modu
 products go through the row kernel like every other nn.Linear, models/hf_forward.py).
 
 It runs where the layer kernel for the dtype runs, for experts dense in the dtype (3-D
-parameters, as transformers holds them, resident or bound to a streamed slot) or int4 in
-the form q4.c reads (bf16). Elsewhere (int8 experts, float16, another CPU) the module's own
-forward runs, and `describe()` says so."""
+parameters, as transformers holds them, resident or bound to a streamed slot), per-channel
+int8 as q8.c reads it, or int4 in the form q4.c reads (bf16). Elsewhere (float16, another
+CPU, the device's int4 layout) the module's own forward runs, and `describe()` says so."""
 from __future__ import annotations
 
 import ctypes
@@ -49,18 +49,19 @@ class Experts:
     """The forward of one experts module (hidden_states [T, hid], top_k_index [T, k],
     top_k_weights [T, k]) -> [T, hid], over its expert matrices: dense 3-D tensors ([E, 2I,
     hid] and [E, hid, I]) given with each call (their current data pointers: a streamed
-    slot's rebinding is followed), or per-expert int4 weights fixed at construction
-    (qweights.Int4Weight in canonical form)."""
+    slot's rebinding is followed), or per-expert packed weights fixed at construction
+    (qweights.Int8Weight or Int4Weight in canonical form: layer_kernel._mat describes
+    either)."""
 
     def __init__(self, dtype: torch.dtype, num_experts: int, hidden: int, inter: int,
-                 int4: tuple[list, list] | None = None):
+                 packed: tuple[list, list] | None = None):
         self.dtype, self.E, self.hid, self.I = dtype, num_experts, hidden, inter
         self._run, self._size = _fns[dtype]
         self._mine = threading.local()          # scratch per thread: engines on two threads never share one
-        self._int4 = None
-        if int4 is not None:
-            self._int4 = ((layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, int4[0])),
-                          (layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, int4[1])))
+        self._packed = None
+        if packed is not None:
+            self._packed = ((layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, packed[0])),
+                            (layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, packed[1])))
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  dense: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -80,7 +81,7 @@ class Experts:
             gu, down = (layer_kernel._Mat(t.data_ptr(), None, None, 0) for t in dense)
             steps = (gu_w.stride(0) * gu_w.element_size(), down_w.stride(0) * down_w.element_size())
         else:
-            gu, down = self._int4
+            gu, down = self._packed
             steps = (0, 0)
         self._run(ctypes.addressof(gu), steps[0], ctypes.addressof(down), steps[1], self.E, self.hid, self.I,
                   x.data_ptr(), T, idx.data_ptr(), wts.data_ptr(), k, out.data_ptr(), scratch.data_ptr(), threads)

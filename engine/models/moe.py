@@ -24,6 +24,22 @@ def _packed_experts(m: nn.Module) -> bool:
     return isinstance(getattr(m, "gate_up", None), list) and isinstance(getattr(m, "down", None), list)
 
 
+def _packed_why(weights: list, dtype: torch.dtype) -> str:
+    """'' when the kernel reads these packed experts' weights with `dtype` activations:
+    per-channel int8 that q8.c reads (scales in the activations' dtype), or int4 in q4.c's
+    canonical form (bf16 activations only)."""
+    for w in weights:
+        if getattr(w, "canonical", False):
+            if dtype != torch.bfloat16:
+                return "int4 experts with float32 activations"
+        elif getattr(w, "own_kernel", False):
+            if w.scale.dtype != dtype:
+                return f"int8 scales in {w.scale.dtype}"
+        else:
+            return f"{type(w).__name__} experts that no kernel here reads"
+    return ""
+
+
 def blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     """(router, experts) of every sparse block: a module with a `gate` that routes (top_k,
     num_experts, a weight [E, hidden]) and `experts` held as 3-D matrices or packed ones."""
@@ -101,10 +117,11 @@ def install(model: nn.Module, fwd, dtype: torch.dtype) -> str:
             kernel = moe_kernel.Experts(dtype, E, hid, experts.down_proj.shape[-1])
         else:
             gu, down = experts.gate_up, experts.down
-            if dtype != torch.bfloat16 or len(gu) != E or not all(getattr(w, "canonical", False) for w in gu + down):
-                skipped.append("int8 experts (no int8 kernel yet)")
+            why = _packed_why(gu + down, dtype) if len(gu) == E else f"{len(gu)} packed experts of {E}"
+            if why:
+                skipped.append(why)
                 continue
-            kernel = moe_kernel.Experts(dtype, E, hid, down[0].shape[1], int4=(gu, down))
+            kernel = moe_kernel.Experts(dtype, E, hid, down[0].shape[1], packed=(gu, down))
         gate.forward = _router_forward(gate, normalize, fwd)
         experts.forward = _experts_forward(experts, kernel, dtype, dense)
     if not skipped:
