@@ -162,7 +162,7 @@ def main() -> None:
     out_rows, samples_all, rates = [], {}, []
     for r in only:
         kw, fmt = ROWS[r]
-        eng = open_ours({"model": str(hf), **kw}, cache, False)
+        eng = open_ours({"model": str(hf), **kw}, cache)
         llm = Llama(model_path=str(files[fmt]), n_ctx=1024, n_batch=512, n_threads=threads,
                     n_threads_batch=threads, verbose=False)
         ids = render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])

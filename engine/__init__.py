@@ -16,10 +16,10 @@ from .engine import Engine
 from .errors import (BadRequest, CheckpointError, ContextFull, EngineError, ModelNotFound,
                      UnsupportedModel)
 from .events import Done, Stats, TextDelta
-from .loading import RUNNABLE, open, quant_act_dtype, runnable
+from .loading import RUNNABLE, measured_routing, open, quant_act_dtype, runnable
 from .sampling import SamplingParams
 from .session import Chat
 
 __all__ = ["open", "Engine", "Chat", "TextDelta", "Stats", "Done", "SamplingParams", "EngineError",
            "BadRequest", "CheckpointError", "ContextFull", "ModelNotFound", "UnsupportedModel",
-           "NoDrafter", "NgramDrafter", "ModelDrafter", "RUNNABLE", "runnable", "quant_act_dtype"]
+           "NoDrafter", "NgramDrafter", "ModelDrafter", "RUNNABLE", "runnable", "quant_act_dtype", "measured_routing"]

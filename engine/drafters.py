@@ -8,7 +8,8 @@ distribution each token was drawn from, or None when proposals are deterministic
 (one-hot), as with the n-gram drafter.
 
 Kinds: `ngram` (prompt lookup: no model, no memory), `model` (any causal LM sharing the
-target's tokenizer, with its own KV cache), `none` (plain decoding through the same loop).
+target's tokenizer, with its own KV cache), `mtp` (the checkpoint's own multi-token-prediction
+layer, reading the target's hidden states), `none` (plain decoding through the same loop).
 """
 from __future__ import annotations
 
@@ -108,16 +109,103 @@ class ModelDrafter:
             for _ in range(k):
                 logits = self.target.forward(feed)[-1]
                 self.ids.extend(feed)
-                logits = _fit_vocab(logits, self.vocab)
-                if params.greedy:
-                    tok = int(torch.argmax(logits))
-                else:
-                    q = probabilities(logits, params)
-                    tok = int(torch.multinomial(q, 1, generator=gen))
-                    dists.append(q)
+                tok = _draw(_fit_vocab(logits, self.vocab), params, gen, dists)
                 tokens.append(tok)
                 feed = [tok]
         return tokens, (torch.stack(dists) if dists else None)
+
+
+class MtpDrafter:
+    """Drafts with the target checkpoint's multi-token-prediction layer (models/mtp.py).
+
+    The layer's pair at position i is (token i + 1, the target's final hidden state at i),
+    so it reads what the target computed: a hook on the target's text model keeps the
+    hidden state of every position its passes run (prefill, steps, verify rows; a rejected
+    row is overwritten when its position runs again). Its own cache holds the pairs of the
+    committed tokens only: before each proposal it is cut back to the prefix the history
+    still shares and fed the pairs the target has committed since; the drafted steps (which
+    read the layer's own output in place of the target's) are dropped after the proposal."""
+    kind = "mtp"
+    catch_up_seconds = 0.0
+
+    def __init__(self, target, layer, name: str):
+        from transformers.cache_utils import DynamicCache
+        self.target, self.layer, self.name = target, layer, name
+        self.vocab = target.vocab_size
+        self._new_cache = lambda: DynamicCache(config=layer.config)
+        self.cache = self._new_cache()
+        self.ids: list[int] = []        # history[:m + 1]: the cache holds the pairs of positions < m
+        self.hidden: torch.Tensor | None = None
+        self._hook = target.impl.model.model.register_forward_hook(self._record, with_kwargs=True)
+
+    def close(self) -> None:
+        self._hook.remove()
+
+    def _record(self, module, args, kwargs, out) -> None:
+        h = out.last_hidden_state[0]
+        pos = kwargs.get("position_ids")
+        p0 = int(pos.reshape(-1)[0]) if pos is not None else 0
+        need = p0 + h.shape[0]
+        with torch.inference_mode():
+            if self.hidden is None or self.hidden.shape[0] < need:
+                grown = torch.zeros(max(need, 2 * (0 if self.hidden is None else self.hidden.shape[0]), 64),
+                                    h.shape[-1], dtype=h.dtype, device=h.device)
+                if self.hidden is not None:
+                    grown[:self.hidden.shape[0]] = self.hidden
+                self.hidden = grown
+            self.hidden[p0:need] = h
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        t = torch.tensor(ids, device=self.target.device)
+        if hasattr(self.target, "embed_rows"):                # a streamed target keeps its own table
+            return self.target.embed_rows(t)
+        return self.target.impl.model.get_input_embeddings()(t)
+
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:
+        if hasattr(self.target, "embed_rows"):                # and its own head
+            return self.target.head(g, False)[-1].float()
+        return self.target.impl.model.lm_head(g)[-1].float()
+
+    def reset(self) -> None:
+        self.ids = []
+        self.cache = self._new_cache()
+
+    def _cut(self, length: int) -> None:
+        extra = self.cache.get_seq_length() - length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    def propose(self, history, k, params: SamplingParams, gen):
+        n = len(history) - 1                       # the target has run positions 0 .. n-1
+        if k <= 0 or n < 1 or self.hidden is None or self.hidden.shape[0] < n:
+            return [], None
+        keep = max(0, min(len(self.ids) - 1, common_prefix(self.ids, history) - 1, n - 1,
+                          self.cache.get_seq_length()))
+        self._cut(keep)
+        tokens, dists = [], []
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            g = self.layer(self._embed(history[keep + 1:n + 1]), self.hidden[keep:n],
+                           torch.arange(keep, n, device=self.target.device), self.cache)[-1:]
+            self.ids = list(history)
+            self.catch_up_seconds = time.perf_counter() - t0 if n - keep > 2 else 0.0
+            for j in range(k):
+                tok = _draw(_fit_vocab(self._logits(g), self.vocab), params, gen, dists)
+                tokens.append(tok)
+                if j + 1 < k:
+                    g = self.layer(self._embed([tok]), g, torch.tensor([n + j], device=self.target.device),
+                                   self.cache)
+            self._cut(n)                           # the drafted steps read the layer's own output
+        return tokens, (torch.stack(dists) if dists else None)
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, gen, dists: list) -> int:
+    """A drafted token: the argmax, or a sample whose distribution is kept in `dists`."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    q = probabilities(logits, params)
+    dists.append(q)
+    return int(torch.multinomial(q, 1, generator=gen))
 
 
 def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

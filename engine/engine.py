@@ -9,7 +9,7 @@ import torch
 
 from . import checkpoint as _checkpoint
 from . import kernels, planner
-from .drafters import ModelDrafter, NgramDrafter, NoDrafter, check_compatible
+from .drafters import ModelDrafter, MtpDrafter, NgramDrafter, NoDrafter, check_compatible
 from .cache import RecurrentCache
 from .errors import BadRequest, CheckpointError
 from .session import Chat
@@ -17,7 +17,7 @@ from .speculative import DraftController, PassCosts
 from .targets.quantized import load_quantized
 from .targets.resident import checkpoint_dtype, load_resident
 
-DRAFTERS = ("auto", "ngram", "model", "none")
+DRAFTERS = ("auto", "ngram", "model", "mtp", "none")
 DRAFTER_WEIGHTS = ("auto", "exact", "int8", "int4")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -44,14 +44,24 @@ class Engine:
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
         self.costs = PassCosts()               # measured by every chat, shared by all
         self.drafter_note = ""                 # why the drafter is not the one asked for
+        self._mtp_layer = None                 # the checkpoint's MTP layer, once --drafter mtp loaded it
 
     def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
                     cache_dir: Path | None = None, fast: bool = True, weights: str = "auto") -> None:
-        """Choose who drafts: auto (model if `draft_model` is given, else ngram) | ngram | model | none.
+        """Choose who drafts: auto (model if `draft_model` is given, else ngram) | ngram | model |
+        mtp (the checkpoint's own multi-token-prediction layer) | none.
         A model drafter is loaded here and checked against the target's tokenizer.
         draft_model "self": a quantized copy of the target drafts for it (when no small model
         shares its tokenizer). weights: exact | int8 | int4 | auto (int4 for self, else exact)."""
         _check_drafter(kind, draft_model, weights)
+        old = getattr(self, "drafter", None)
+        try:
+            self._set_drafter(kind, draft_model, dtype, cache_dir, fast, weights)
+        finally:
+            if old is not None and old is not self.drafter and hasattr(old, "close"):
+                old.close()                     # an MTP drafter's hook on the target
+
+    def _set_drafter(self, kind, draft_model, dtype, cache_dir, fast, weights) -> None:
         self.drafter_note = ""
         if kind != "none" and not _can_draft(self.target):
             self.drafter_note = ("this model's recurrent layers are of a kind speculation cannot roll back "
@@ -61,6 +71,8 @@ class Engine:
             self.drafter = NoDrafter()
         elif kind == "ngram" or (kind == "auto" and not draft_model):
             self.drafter = NgramDrafter()
+        elif kind == "mtp":
+            self.drafter = MtpDrafter(self.target, _load_mtp(self), self.name)
         else:
             self_draft = draft_model == "self"
             dckpt = self.checkpoint if self_draft else _checkpoint.resolve(draft_model, cache_dir)
@@ -92,6 +104,11 @@ class Engine:
             self.drafter = ModelDrafter(dtarget, name, self.target.vocab_size)
         self.costs.new_drafter()
 
+    def has_mtp(self) -> bool:
+        """Whether the checkpoint carries a multi-token-prediction layer `--drafter mtp` runs."""
+        from .models import mtp
+        return not mtp.why_not_at(self.checkpoint.path)
+
     def new_controller(self) -> DraftController:
         if self.drafter.kind == "none":
             return DraftController(max_draft=0, fixed=0)
@@ -114,7 +131,8 @@ class Engine:
         return {"model": self.name, "path": str(self.checkpoint.path), "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "forward": t.kind,
                 "weights_bytes": t.weight_bytes(), "context_max": t.max_positions,
-                "drafter": self.drafter.kind if self.drafter.kind != "model" else f"model:{self.drafter.name}",
+                "drafter": (self.drafter.kind if self.drafter.kind not in ("model", "mtp")
+                            else f"{self.drafter.kind}:{self.drafter.name}"),
                 "draft_tokens": self.draft_tokens if self.draft_tokens is not None else "adaptive",
                 "profile": self.plan.chosen if self.plan else None,
                 "weights": _weights_label(t), "drafter_note": self.drafter_note,
@@ -137,7 +155,9 @@ def _experts_note(eng) -> str:
     note = getattr(getattr(eng.target, "impl", None), "experts_note", "")
     row = eng.plan.row(eng.plan.chosen) if eng.plan and eng.plan.chosen else None
     if note and row is not None and row.mapped_experts:
-        note += f"; {row.mapped_experts / 1e9:.2f} GB of them memory-mapped from the quantized cache on disk"
+        placed = getattr(eng.target, "experts_placement", "")
+        note += (f"; {placed}, {planner.gb(row.mapped_experts)} from the quantized cache on disk" if placed else
+                 f"; {planner.gb(row.mapped_experts)} of them memory-mapped from the quantized cache on disk")
     return note
 
 
@@ -153,6 +173,22 @@ def _weights_label(target) -> str:
     if quant is None:
         return "exact"
     return quant.weights + (f" g{quant.group_size}" if quant.group_size else "")
+
+
+def _load_mtp(eng):
+    """The target checkpoint's multi-token-prediction layer, or a one-line refusal."""
+    from .models import mtp
+    from .targets.module_exact import load_mtp
+    model = getattr(getattr(eng.target, "impl", None), "model", None)
+    cfg = getattr(getattr(model, "config", None), "text_config", None) or getattr(model, "config", None)
+    why = mtp.why_not_at(eng.checkpoint.path)
+    if not why and not hasattr(getattr(model, "model", None), "norm"):
+        why = "the target's forward does not expose its hidden states"
+    if why:
+        raise BadRequest(f"--drafter mtp: {why}; use --drafter ngram or --draft-model")
+    if eng._mtp_layer is None:                # kept: switching drafters back and forth loads it once
+        eng._mtp_layer = load_mtp(eng.checkpoint.path, model.model, cfg, eng.target.device, eng.target.cache.dtype)
+    return eng._mtp_layer
 
 
 def _check_drafter(kind: str, draft_model: str | None, weights: str = "auto") -> None:

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
-from . import bandwidth, hardware, kernels, planner, profiles
+from . import bandwidth, fidelity, hardware, kernels, planner, profiles
 from . import checkpoint as _checkpoint
 from .engine import Engine, _check_drafter, _load_tokenizer, _pick_dtype
 from .errors import BadRequest
+from .targets import routing
 from .targets.quantized import load_quantized
 from .targets.resident import load_resident
 from .targets.streamed import load_streamed
@@ -56,7 +57,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     dt = _pick_dtype(dtype, dev, ckpt.path)
     if context is not None and context < 16:
         raise BadRequest(f"--context {context}: must be at least 16 tokens")
-    drafter_shape = None
+    drafter_shape = "mtp" if drafter == "mtp" else None      # the MTP layer's shape is the target's (_plan)
     if drafter in ("auto", "model") and draft_model:
         dweights = drafter_weights if drafter_weights != "auto" else ("int4" if draft_model == "self" else "exact")
         local = ckpt.path if draft_model == "self" else Path(draft_model).expanduser()
@@ -79,9 +80,15 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
                                host_budget=host_room, context=row.context,
                                bandwidth=plan.bandwidth, progress=progress)
     elif prof.weights in ("int8", "int4"):
+        row = plan.row(plan.chosen)
+        keep = texts = None
+        if row.mapped_experts:
+            # the experts that fit stay in memory, the most used first (targets/routing.py)
+            keep = row.kept_experts
+            texts = fidelity.held_texts(tokenizer, routing.TOKENS)
         target = load_quantized(ckpt.path, dev, prof.weights, group_size=prof.group_size, embeddings=prof.embeddings,
                                 act_dtype=None if dtype in (None, "auto") else dt, cache_dir=cache_dir,
-                                progress=progress, mapped_experts=plan.row(plan.chosen).mapped_experts > 0)
+                                progress=progress, experts_in_memory=keep, routing_texts=texts)
     else:
         target = load_resident(ckpt.path, dev, dt, fast=fast, progress=progress)
     # The profile says how deep drafting may go (a streamed pass pays for depth: 16).
@@ -91,6 +98,14 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     target.prefill_chunk = plan.row(plan.chosen).prefill_chunk    # what the plan counted
     eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast, weights=drafter_weights)
     return eng
+
+
+def measured_routing(path: Path, shape: planner.ModelShape, cache_dir: Path | None = None):
+    """A mixture's measured expert use (targets/routing.py), as make_plan takes it; None for
+    a dense model, or one not measured yet (uniform routing is planned)."""
+    if not shape.expert_params:
+        return None
+    return routing.cached(Path(cache_dir) if cache_dir else _checkpoint.default_cache_dir(), path)
 
 
 def quant_act_dtype(dev, requested=None) -> torch.dtype:
@@ -123,10 +138,17 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
         raise BadRequest(f"--profile {forced}: this version runs {', '.join(can)}; use one of those or auto")
     # tok/s bounds (and a streamed pass's compute time) from this machine's measured read rate
     bw = bandwidth.rates(bandwidth.measured(cache_dir or _checkpoint.default_cache_dir(), dev))
+    if drafter == "mtp":
+        from .models import mtp
+        why = mtp.why_not_at(ckpt.path)
+        if why:
+            raise BadRequest(f"--drafter mtp: {why}; use --drafter ngram or --draft-model")
+        drafter = (shape.mtp_drafter(min(context or 4096, max_pos)), "exact")
     plan = planner.make_plan(shape, hw, every, context=min(context or 4096, max_pos), force=forced,
                              runnable=can, bandwidth=bw, drafter=drafter[0] if drafter else None,
                              drafter_weights=drafter[1] if drafter else "exact",
-                             quant_act_bytes=torch.finfo(quant_act_dtype(dev, dt if dtype_given else None)).bits // 8)
+                             quant_act_bytes=torch.finfo(quant_act_dtype(dev, dt if dtype_given else None)).bits // 8,
+                             routing=measured_routing(ckpt.path, shape, cache_dir))
     if plan.chosen is None:
         raise BadRequest(f"{ckpt.name} does not fit the {planner.gb(hw.budget_bytes)} budget on {hw.device}: "
                          f"{plan.reason} Raise --vram, lower --context, or pick a smaller model (`localchat setup`)")

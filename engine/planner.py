@@ -56,6 +56,8 @@ class PlanRow:
     mapped_experts: int = 0      # a mixture's quantized experts left memory-mapped on disk (not in the budget)
     disk_per_token: int = 0      # of read_per_token, what comes from disk when they are routed to
     prefill_chunk: int = PREFILL_CHUNK   # tokens a prefill pass runs at most (counted in activations)
+    routing_tokens: int = 0      # held tokens the experts' use was measured on (0: uniform routing assumed)
+    kept_experts: int = 0        # with mapped_experts: the expert bytes kept in memory
 
     @property
     def short_by(self) -> int:
@@ -97,11 +99,13 @@ def activation_bytes(shape: ModelShape, positions: int, context: int, chunk: int
 def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context: int = 8192,
               drafter: ModelShape | None = None, force: str | None = None,
               bandwidth: dict | None = None, runnable: tuple[str, ...] | None = None,
-              drafter_weights: str = "exact", quant_act_bytes: int | None = None) -> Plan:
+              drafter_weights: str = "exact", quant_act_bytes: int | None = None, routing=None) -> Plan:
     """Every term of every profile; the chosen one is the first (by rank) that fits and,
     if `runnable` is given, that the engine has a target for. `quant_act_bytes`: the element
     size a quantized target computes in (its unquantized embeddings, head, norms and KV
-    cache) when it differs from the checkpoint's."""
+    cache) when it differs from the checkpoint's. `routing`: a mixture's measured expert
+    use (targets/routing.py), which decides what a token reads from experts left on disk;
+    None: uniform routing."""
     bw = dict(DEFAULT_BANDWIDTH)
     bw.update(bandwidth or {})
     kind = "cpu" if hw.device == "cpu" else next((a.kind for a in hw.accelerators if a.device == hw.device), "cuda")
@@ -111,8 +115,8 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
         # Python runtime lives outside it.
         runtime = 0
     profiles = sorted(profiles, key=lambda p: (p.rank, p.name))    # the choice below takes the first that fits
-    rows = [_chunked_row(shape, hw, p, context, drafter, runtime, kind, bw, drafter_weights, quant_act_bytes)
-            for p in profiles]
+    rows = [_chunked_row(shape, hw, p, context, drafter, runtime, kind, bw, drafter_weights, quant_act_bytes,
+                         routing) for p in profiles]
     skip = [] if runnable is None else [p.name for p in profiles if p.name not in runnable]
     if force:
         row = next((r for r in rows if r.profile == force), None)
@@ -155,13 +159,13 @@ def _chunked_row(shape, hw, p: Profile, context: int, *args) -> PlanRow:
 
 def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: ModelShape | None,
          runtime: int, kind: str, bw: dict, drafter_weights: str = "exact",
-         quant_act_bytes: int | None = None, chunk: int = PREFILL_CHUNK) -> PlanRow:
+         quant_act_bytes: int | None = None, routing=None, chunk: int = PREFILL_CHUNK) -> PlanRow:
     budget = hw.budget_bytes
     if p.weights in ("int8", "int4") and quant_act_bytes:
         shape = replace(shape, dtype_bytes=quant_act_bytes)
     kv_tok = shape.kv_bytes_per_token()
     draft_bytes = 0
-    if drafter is not None and p.drafter in ("auto", "model"):
+    if drafter is not None and p.drafter in ("auto", "model", "mtp"):
         draft_bytes = drafter.weight_bytes(drafter_weights) + drafter.kv_bytes_per_token() * context
     act = activation_bytes(shape, p.max_draft + 1, context, chunk)
     # A fixed margin suits a GPU; a small --vram budget (a CPU "device" in tests, a small
@@ -187,10 +191,10 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
         if not place.fits:
             note = f"needs at least {gb(fixed + place.min_budget)}"
     device_bw = bw.get(kind, bw["cpu"])
-    mapped = from_disk = 0
+    mapped = from_disk = kept = 0
     if fixed + weights > budget and p.placement == "resident" and p.weights in ("int8", "int4") and kind == "cpu" \
             and shape.expert_params:
-        mapped, from_disk = _mapped_experts(shape, p, budget - fixed - weights, device_bw, bw["disk"])
+        mapped, from_disk, kept = _mapped_experts(shape, p, budget - fixed - weights, device_bw, bw["disk"], routing)
         weights -= mapped
         if mapped:
             note = f"{gb(mapped)} of its experts stay memory-mapped on disk, read when routed to"
@@ -209,7 +213,7 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     return PlanRow(p.name, p.summary, weights, kv, draft_bytes, act, runtime, margin, total, budget, fits,
                    context, int(max_context), resident, host, disk, streamed,
                    1.0 / seconds if seconds > 0 else 0.0, note, state, read, mapped, from_disk,
-                   max(chunk, p.max_draft + 1))
+                   max(chunk, p.max_draft + 1), routing.tokens if mapped and routing else 0, kept)
 
 
 # A mixture's experts are left on disk only while what a token reads from there keeps at
@@ -217,22 +221,32 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
 MAPPED_MIN_SPEED = 0.5
 
 
-def _mapped_experts(shape: ModelShape, p: Profile, short: int, device_bw: float, disk_bw: float) -> tuple[int, int]:
-    """(expert bytes left memory-mapped on disk, bytes a token reads from there) for a quantized
+def _mapped_experts(shape: ModelShape, p: Profile, short: int, device_bw: float, disk_bw: float,
+                    routing=None) -> tuple[int, int, int]:
+    """(expert bytes left memory-mapped on disk, bytes a token reads from there, expert bytes
+    kept in memory) for a quantized
     mixture on a CPU that is `short` (negative) of the budget with every expert in memory:
-    what does not fit stays in the quantized cache's files, and under uniform routing a routed
-    expert is on disk in that share. (0, 0) where even all experts on disk would not fit, or
-    the disk would cost more than MAPPED_MIN_SPEED of the speed."""
+    what does not fit stays in the quantized cache's files. The experts kept in memory are
+    whole ones, the most used first where `routing` was measured; a token's routed experts
+    are on disk in the share of its routings that land on the rest (uniform routing: the
+    mapped share of the bytes). (0, 0) where even all experts on disk would not fit, or the
+    disk would cost more than MAPPED_MIN_SPEED of the speed."""
     experts = shape.linear_bytes(p.weights, p.group_size, shape.expert_params)
     mapped = -short
     if mapped > experts:
-        return 0, 0
+        return 0, 0, 0
     routed = experts * shape.expert_fraction(1)
-    from_disk = int(routed * mapped / experts)
+    if routing is not None and routing.experts:
+        each = experts / routing.experts
+        n = int((experts - mapped) // each)
+        mapped = experts - int(n * each)
+        from_disk = int(routed * routing.mapped_share(n))
+    else:
+        from_disk = int(routed * mapped / experts)
     read = shape.read_bytes(p.weights, p.group_size)
     if read / device_bw < MAPPED_MIN_SPEED * ((read - from_disk) / device_bw + from_disk / disk_bw):
-        return 0, 0
-    return mapped, from_disk
+        return 0, 0, 0
+    return mapped, from_disk, experts - mapped
 
 
 def streamed_units(shape: ModelShape) -> tuple[list[int], int, int]:
@@ -379,9 +393,12 @@ def format_plan(plan: Plan) -> str:
                          "tokens streams it once).")
     for r in plan.rows:
         if r.mapped_experts and r.fits and r.profile not in plan.not_runnable:
+            kept = (f"the most used stay in memory (routing measured on {r.routing_tokens} held tokens)"
+                    if r.routing_tokens else "which stay in memory is measured at the first load; uniform routing "
+                                             "assumed until then")
             lines.append(f"{r.profile}: {gb(r.mapped_experts)} of the experts stay memory-mapped in the quantized "
-                         f"cache on disk (the page cache keeps what RAM holds); a token reads about "
-                         f"{gb(r.disk_per_token)} of its experts from there.")
+                         f"cache on disk, {kept}; a token reads about {gb(r.disk_per_token)} of its experts "
+                         "from there.")
     if any(r.read_per_token < r.weights // 2 for r in plan.rows if r.profile.startswith("resident")):
         lines.append("read/tok: what one token reads; a mixture of experts reads only its routed experts "
                      "(a verify pass of n tokens, the distinct experts they route to).")

@@ -27,7 +27,7 @@ from .errors import BadRequest
 
 PLACEMENTS = ("resident", "streamed")
 WEIGHTS = ("exact", "int8", "int4")
-DRAFTER_KINDS = ("auto", "ngram", "model", "none")
+DRAFTER_KINDS = ("auto", "ngram", "model", "mtp", "none")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,9 @@ class ModelShape:
     expert_params: int = 0
     experts: int = 0
     experts_per_tok: int = 0
+    # The checkpoint's multi-token-prediction layer (mtp.*, Qwen3.5 and Qwen3-Next): what
+    # `--drafter mtp` loads beside the target; 0 where the files have none.
+    mtp_params: int = 0
 
     def replay_bytes(self, max_draft: int, act_bytes: int | None = None) -> int:
         """The replay buffer of a conversation drafting up to max_draft tokens a round."""
@@ -144,16 +147,19 @@ class ModelShape:
         linear = other = 0
         dt = shape.dtype_bytes
         index = tensor_index(Path(path))
-        experts = 0
+        experts = mtp = 0
         # A published multimodal checkpoint (Qwen3.5) holds a vision tower that is not loaded,
         # and Qwen3.5's a multi-token-prediction layer (mtp.*) the target does not run
         nested = any(name.startswith("model.language_model.") for name in index)
         for e in index.values():
-            if (nested and not e.name.startswith(("model.language_model.", "lm_head."))) or e.name.startswith("mtp."):
-                continue
             n = 1
             for d in e.shape:
                 n *= d
+            if e.name.startswith("mtp."):
+                mtp += n
+                continue
+            if nested and not e.name.startswith(("model.language_model.", "lm_head.")):
+                continue
             dt = e.nbytes // max(n, 1) or dt
             # decoder matrices (what int8/int4 quantize): 2-D weights of the layers, and
             # experts fused into 3-D tensors; not a router, not a conv kernel
@@ -165,7 +171,18 @@ class ModelShape:
                     experts += n
             else:
                 other += n
-        return replace(shape, dtype_bytes=dt, linear_params=linear, other_params=other, expert_params=experts)
+        return replace(shape, dtype_bytes=dt, linear_params=linear, other_params=other, expert_params=experts,
+                       mtp_params=mtp)
+
+    def mtp_drafter(self, context: int) -> "ModelShape":
+        """The MTP layer as a drafter's shape for the plan: its weights (exact: it is loaded
+        in the target's dtype, quantized or not), the keys and values of one attention
+        layer, the target's hidden state of every position (`context` rows it reads), and
+        nothing of the embedding or head it shares with the target."""
+        return replace(self, layers=1, linear_params=self.mtp_params, other_params=context * self.hidden,
+                       tied_embeddings=True,
+                       attention_layers=1, state_bytes=0, replay_act=0, replay_f32=0, expert_params=0,
+                       mtp_params=0)
 
 
 # A routed expert's matrices in the files: fused 3-D (experts.gate_up_proj) or one a matrix

@@ -110,13 +110,16 @@ def pass_seconds(eng, max_positions: int = 9, reps: int = 3) -> dict[int, float]
     import time
     target = eng.target
     start = target.cache.length
+    max_positions = min(max_positions, eng.max_draft + 1)      # what a verify pass may record
     tokens = [eng.tokenizer.eos_token_id or 0] * max_positions
     out = {}
     for n in range(1, max_positions + 1):
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            target.forward(tokens[:n], all_logits=True)
+            # recorded as a verify pass is: a hybrid's recurrent state goes back only so
+            with target.cache.record():
+                target.forward(tokens[:n], all_logits=True)
             times.append(time.perf_counter() - t0)
             target.cache.rollback(start)
         out[n] = statistics.median(times)
@@ -156,7 +159,7 @@ def bench_main(argv: list[str]) -> int:
             from .bench_backend import bench_backend
             bench_backend(eng, workloads, args.max_tokens, args.runs, args.json)
             return EXIT_OK
-        drafters = ["ngram"] + (["model"] if settings.draft_model else [])
+        drafters = ["ngram"] + (["model"] if settings.draft_model else []) + (["mtp"] if eng.has_mtp() else [])
         rows = bench_local(eng, settings, workloads, drafters, args)
     except KeyboardInterrupt:
         error("interrupted")

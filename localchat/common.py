@@ -32,8 +32,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
     spec = p.add_argument_group("speculative decoding (never changes the answer)")
-    spec.add_argument("--drafter", choices=["auto", "ngram", "model", "none"],
-                      help="who proposes tokens: ngram (prompt lookup, free), model (--draft-model), none; "
+    spec.add_argument("--drafter", choices=["auto", "ngram", "model", "mtp", "none"],
+                      help="who proposes tokens: ngram (prompt lookup, free), model (--draft-model), mtp (the "
+                           "checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next), none; "
                            "auto = model if --draft-model is given, else ngram")
     spec.add_argument("--draft-model", metavar="PATH_OR_REPO",
                       help="a small model with the same tokenizer as --model, used as the drafter; "

@@ -27,7 +27,7 @@ class Settings:
     profile: str | None = None        # None/"auto" = the best that fits; or a profile name
     context: int | None = None        # tokens of conversation to plan memory for; None = auto
     dtype: str | None = None          # None = auto
-    drafter: str = "auto"             # auto | ngram | model | none
+    drafter: str = "auto"             # auto | ngram | model | mtp | none
     draft_model: str | None = None    # the drafter checkpoint for drafter = model (or auto)
     draft_tokens: int | None = None   # a fixed draft length; None = adaptive
     drafter_weights: str = "auto"     # exact | int8 | int4 | auto (int4 for draft_model = "self")
@@ -83,7 +83,7 @@ def _coerce(name: str, value, source: str):
 
 # What a setting from a file or the environment may hold (flags are checked by the CLI
 # with the same ranges): a value outside is a warning and the default, like a bad type.
-_CHOICES = {"drafter": ("auto", "ngram", "model", "none"),
+_CHOICES = {"drafter": ("auto", "ngram", "model", "mtp", "none"),
             "drafter_weights": ("auto", "exact", "int8", "int4"),
             "dtype": ("auto", "float32", "bfloat16", "float16")}
 _RANGES = {"max_tokens": (lambda v: v >= 1, "at least 1"),

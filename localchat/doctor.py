@@ -96,6 +96,8 @@ def doctor_main(argv: list[str]) -> int:
                 draft = _model_shape(settings.draft_model)[1]
             if dweights == "auto":
                 dweights = "int4" if settings.draft_model == "self" else "exact"
+        elif settings.drafter == "mtp" and shape.mtp_params:
+            draft, dweights = shape.mtp_drafter(args.context or 4096), "exact"     # the checkpoint's own layer
         read = bandwidth.measured(checkpoint.default_cache_dir(), hardware.pick_device(hw.device),
                                   refresh=args.measure)
         bw = bandwidth.rates(read)
@@ -105,7 +107,8 @@ def doctor_main(argv: list[str]) -> int:
                                  bandwidth=bw, runnable=engine.runnable(profs, shape),
                                  drafter_weights=dweights if draft else "exact",
                                  quant_act_bytes=torch.finfo(engine.quant_act_dtype(
-                                     hardware.pick_device(hw.device))).bits // 8)
+                                     hardware.pick_device(hw.device))).bits // 8,
+                                 routing=engine.measured_routing(ckpt.path, shape) if ckpt else None)
         from engine import fidelity
         if args.fidelity and ckpt is None:
             error(f"--fidelity loads the model, and {settings.model} is not downloaded; "

@@ -248,14 +248,96 @@ def test_mapped_experts_are_read_from_the_cache_files_and_answer_the_same(tmp_pa
     answers = []
     for mapped in (False, True, True):                 # the last from the cache the first mapped load wrote
         cache = tmp_path / ("mapped" if mapped else "plain")
-        target = load_quantized(path, torch.device("cpu"), "int4", cache_dir=cache, mapped_experts=mapped)
+        target = load_quantized(path, torch.device("cpu"), "int4", cache_dir=cache,
+                                experts_in_memory=0 if mapped else None)
         eng = engine.Engine(Checkpoint(path, "tiny", "dir"), engine.engine._load_tokenizer(path), target)
         eng.stop_ids = frozenset()
         answers.append(list(list(eng.chat().send("Why is the sky blue?", max_new_tokens=16))[-1].token_ids))
-        maps = open("/proc/self/maps").read()
         block = next(m for m in target.impl.model.modules() if type(m).__name__ == "PackedExperts")
-        q = block.gate_up[0].q
-        mapped_here = any(f"{target.quant.cache_dir}" in line and int(line.split("-")[0], 16) <= q.data_ptr()
-                          < int(line.split()[0].split("-")[1], 16) for line in maps.splitlines())
-        assert mapped_here == mapped
+        assert _in_file_mapping(block.gate_up[0].q, target.quant.cache_dir) == mapped
     assert answers[0] == answers[1] == answers[2] and len(answers[0]) == 16
+
+
+def _in_file_mapping(t: torch.Tensor, folder) -> bool:
+    """Whether the tensor's memory lies in a mapping of a file under `folder` (/proc/self/maps)."""
+    for line in open("/proc/self/maps").read().splitlines():
+        lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+        if str(folder) in line and lo <= t.data_ptr() < hi:
+            return True
+    return False
+
+
+def test_the_most_used_experts_stay_in_memory_and_the_rest_mapped(tmp_path, tokenizer):
+    """A mixture short of RAM keeps whole experts in memory, the most used first: routing
+    counted on the held texts at the first load (every token's k picks in every block),
+    kept per model and read back by the next load and the plan; the others stay in the
+    cache's file mapping, and the answers are the all-in-memory engine's."""
+    from engine import fidelity
+    from engine.checkpoint import Checkpoint
+    from engine.targets import routing
+    from engine.targets.quantized import load_quantized
+    path = build_model(tmp_path / "m", "qwen3_5_moe", layers=4, tokenizer=tokenizer, seed=10)
+    tok = engine.engine._load_tokenizer(path)
+    texts = fidelity.held_texts(tok, routing.TOKENS)
+    assert routing.cached(tmp_path, path) is None
+    answers, files = [], []
+    for keep in (None, 5, 5):                          # the last reads the counts the first mapped load wrote
+        target = load_quantized(path, torch.device("cpu"), "int4", cache_dir=tmp_path / str(keep),
+                                experts_in_memory=None if keep is None else keep * 7680, routing_texts=texts)
+        eng = engine.Engine(Checkpoint(path, "tiny", "dir"), tok, target)
+        eng.stop_ids = frozenset()
+        answers.append(list(list(eng.chat().send("Why is the sky blue?", max_new_tokens=16))[-1].token_ids))
+        if keep is None:
+            continue
+        use = routing.cached(tmp_path / str(keep), path)
+        files.append(routing._file(tmp_path / str(keep), path).stat().st_mtime_ns)
+        assert use.tokens == sum(map(len, texts))
+        assert all(sum(row) == use.tokens * 2 for row in use.counts)          # top-2 in each of the 4 blocks
+        assert target.experts_placement.startswith("5 of 16 experts in memory (the most used on 512 held tokens)")
+        blocks = [m for m in target.impl.model.modules() if type(m).__name__ == "PackedExperts"]
+        # an int4 expert here: gate_up [128, 64] and down [64, 64], half a byte a code plus bf16 scale and zero
+        each = sum(t.nbytes for w in (blocks[0].gate_up[0], blocks[0].down[0]) for t in w.tensors())
+        assert each == 128 * 32 + 2 * 128 * 2 * 2 + 64 * 32 + 2 * 64 * 2 * 2 == 7680
+        kept = set(use.ranked()[:5])
+        for b, block in enumerate(blocks):
+            for e in range(4):
+                for w in (block.gate_up[e], block.down[e]):
+                    assert _in_file_mapping(w.q, target.quant.cache_dir) == ((b, e) not in kept), (b, e)
+        counts = sorted((c for row in use.counts for c in row), reverse=True)
+        assert sorted((use.counts[b][e] for b, e in kept), reverse=True) == counts[:5]
+    assert answers[0] == answers[1] == answers[2] and len(answers[0]) == 16
+    assert files[0] == files[1]                        # measured once, read back by the next load
+
+
+def test_the_plan_reads_from_disk_what_the_measured_routing_leaves_there(tmp_path, tokenizer):
+    """With measured routing, the experts kept are whole ones, the most used; a token reads
+    from disk the share of its routings that land on the rest. By hand, for 4 blocks of 4
+    experts with a quarter of the experts' bytes short: 12 experts stay in memory; uniform
+    counts leave 4 of 16 routings on disk; counts of (1000, 1, 1, 1) in every block keep the
+    4 busy experts and 8 idle ones, and leave 4 of 4012 routings there."""
+    from engine import hardware, planner, profiles
+    from engine.targets.routing import Routing
+    shape = ModelShape.from_checkpoint(build_model(tmp_path / "m", "qwen3_5_moe", layers=4, tokenizer=tokenizer))
+    every = profiles.builtin()
+    int4 = next(p for p in every if p.name == "resident-int4")
+    experts = shape.linear_bytes("int4", 32, shape.expert_params)
+    routed = experts * shape.expert_fraction(1)
+    short = -(experts // 4)
+    even = Routing(((10,) * 4,) * 4, 20)
+    mapped, disk, kept = planner._mapped_experts(shape, int4, short, 50e9, 50e9, even)
+    assert (mapped, kept) == (experts - int(12 * experts / 16), int(12 * experts / 16))
+    assert disk == int(routed * (1 - 12 / 16))
+    skew = Routing(((1000, 1, 1, 1),) * 4, 2003)
+    assert skew.ranked()[:4] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    _, disk_skew, _ = planner._mapped_experts(shape, int4, short, 50e9, 50e9, skew)
+    assert disk_skew == int(routed * (1 - 4008 / 4012)) < disk
+    # the plan takes the counts: the row's disk reads and what it says of them
+    full = planner.make_plan(shape, hardware.detect(vram=10**9, device="cpu"), every, context=64,
+                             routing=skew).row("resident-int4")
+    hw = hardware.detect(vram=int((full.total - full.margin + short) / 0.9) + 1, device="cpu")
+    row = planner.make_plan(shape, hw, every, context=64, routing=skew,
+                            bandwidth={"cpu": 20e9, "disk": 20e9}).row("resident-int4")
+    assert 0 < row.mapped_experts and row.kept_experts + row.mapped_experts == experts
+    assert row.routing_tokens == 2003 and row.disk_per_token < routed * row.mapped_experts / experts
+    assert "routing measured on 2003 held tokens" in planner.format_plan(
+        planner.make_plan(shape, hw, every, context=64, routing=skew, bandwidth={"cpu": 20e9, "disk": 20e9}))

@@ -131,3 +131,27 @@ def budget_for(path: Path, profile: str, context: int = 64) -> int:
         if plan.chosen == profile:
             return total * step // 100
     raise AssertionError(f"no budget picks {profile} for {path}")
+
+
+def add_mtp(path: Path, seed: int = 0) -> Path:
+    """Give a tiny Qwen3.5 / Qwen3-Next checkpoint the multi-token-prediction layer the
+    published ones carry (`mtp.*`: fc, the two pre-fc norms, one full-attention decoder
+    layer of the model's kind, a final norm), random and seeded, in its own file."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.models.mtp import MtpLayer
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    layer = MtpLayer(model.model, cfg).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    file = path / "model.safetensors"
+    data = load_file(file)
+    dtype = next(iter(data.values())).dtype
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05))
+            data[layer.stored_name(name)] = p.detach().to(dtype).contiguous()
+    save_file(data, file, metadata={"format": "pt"})
+    return path

@@ -82,3 +82,30 @@ def load_exact(path: Path, cfg, device: torch.device, dtype: torch.dtype, progre
     if progress is not None:
         progress("load", n + 1, n + 1)
     return model
+
+
+def load_mtp(path: Path, text_model: nn.Module, cfg, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The checkpoint's multi-token-prediction layer (models/mtp.py MtpLayer), exact, in
+    `dtype`, its experts fused as the target's are."""
+    from ..models import mtp
+    layer = mtp.MtpLayer(text_model, cfg)
+    src = ModuleSource(path)
+    block = layer.model.layers[0]
+    experts = dict(_experts(block))
+    for name, m in experts.items():
+        at = f"mtp.layers.0.{name}"
+        _set(block, f"{name}.gate_up_proj", _fused(src, f"{at}.gate_up_proj", m.gate_up_proj,
+                                                   ("gate_proj", "up_proj"), dtype, device))
+        _set(block, f"{name}.down_proj", _fused(src, f"{at}.down_proj", m.down_proj, ("down_proj",), dtype, device))
+    for pname, _ in list(layer.named_parameters()):
+        inside = pname.removeprefix("model.layers.0.")
+        if inside != pname and inside.rpartition(".")[0] in experts:
+            continue                                   # filled above
+        _set(layer, pname, src.rows(layer.stored_name(pname)).to(device, dtype))
+    inner = layer.model
+    inner.rotary_emb = type(inner.rotary_emb)(config=layer.config).to(device)
+    left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+    if left:
+        raise CheckpointError(f"{path}: the multi-token-prediction layer has no value for {left[0]}; "
+                              "use another --drafter")
+    return layer.eval()

@@ -67,9 +67,21 @@ class PackedExperts(nn.Module):
         self.num_experts = len(gate_up)
         self.act_fn = module.act_fn
         self.gate_up, self.down = gate_up, down
-        for e, (a, b) in enumerate(zip(gate_up, down)):
-            for i, t in enumerate(a.tensors() + b.tensors()):
-                self.register_buffer(f"e{e}_{i}", t, persistent=False)
+        for e in range(self.num_experts):
+            self._register(e)
+
+    def _register(self, e: int) -> None:
+        for i, t in enumerate(self.gate_up[e].tensors() + self.down[e].tensors()):
+            self.register_buffer(f"e{e}_{i}", t, persistent=False)
+
+    def keep_in_memory(self, e: int) -> None:
+        """Copy expert e's tensors out of a memory mapping (routing.keep_in_memory), before
+        a kernel takes their addresses."""
+        for w in (self.gate_up[e], self.down[e]):
+            for name, t in list(vars(w).items()):
+                if isinstance(t, torch.Tensor):
+                    setattr(w, name, t.clone())
+        self._register(e)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)

@@ -27,8 +27,8 @@ from .. import kernels as lc_kernels
 from ..cache import KVCache
 from ..checkpoint import default_cache_dir
 from ..errors import BadRequest, CheckpointError, UnsupportedModel
-from ..models import hf_forward, llama_family
-from . import module_quant, qweights
+from ..models import hf_forward, llama_family, moe
+from . import module_quant, qweights, routing
 from .qcache import QuantCache, cache_path, source_identity
 from .resident import ResidentTarget
 
@@ -113,14 +113,17 @@ class QuantizedTarget(ResidentTarget):
 
 def load_quantized(path: Path, device: torch.device, weights: str, group_size: int = 32,
                    act_dtype: torch.dtype | None = None, cache_dir: Path | None = None, progress=None,
-                   embeddings: bool = False, mapped_experts: bool = False) -> QuantizedTarget:
+                   embeddings: bool = False, experts_in_memory: int | None = None,
+                   routing_texts: list[list[int]] | None = None) -> QuantizedTarget:
     """Quantize the checkpoint at `path` (or load its cached quantized copy) onto `device`.
 
     weights: int8 (per output channel) | int4 (group-wise, `group_size` along the input).
     act_dtype: default bfloat16 where the device has native bf16, else float32 (CPU) or
     float16 (GPU). embeddings: quantize embeddings and head too (default: keep them in
-    act_dtype). progress(what, done, total) is called per layer. mapped_experts: a mixture's
-    experts stay memory-mapped from the cache's files (module_quant.load)."""
+    act_dtype). progress(what, done, total) is called per layer. experts_in_memory (a
+    mixture on a CPU whose experts do not all fit): its experts stay memory-mapped from the
+    cache's files (module_quant.load) but for this many bytes of them, the most used first
+    (routing.py: counts kept per model, measured on `routing_texts` where there are none)."""
     t0 = time.perf_counter()
     path = Path(path)
     if weights not in FORMATS:
@@ -140,10 +143,14 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
     if why_not is not None:
         # Not a model the Llama-family forward runs (a hybrid, another architecture):
         # transformers' modules over packed weights (module_quant.py).
+        mapped = experts_in_memory is not None and device.type == "cpu"
         model, hit = module_quant.load(path, cfg, device, weights, group_size, act_dtype, cache, embeddings,
-                                       progress, mapped_experts)
+                                       progress, mapped)
+        placed = _keep_experts(model, path, Path(cache_dir) if cache_dir else default_cache_dir(),
+                               experts_in_memory, routing_texts) if mapped else ""
         info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels)
         target = QuantizedTarget.over_modules(model, device, act_dtype, info)
+        target.experts_placement = placed
     else:
         src = _Source(path, cfg)
         _check_shapes(src, weights, group_size, embeddings)
@@ -325,3 +332,19 @@ def _pack_rest(flat: dict[str, torch.Tensor], device, act_dtype, fmt: str, group
     if type(head) is torch.Tensor:         # the fast forward keeps float weights as [in, out] views
         head = head.t()
     return {"embed": embed, "norm": flat["norm"].to(device, act_dtype), "head": head}
+
+
+def _keep_experts(model, path: Path, cache_root: Path, budget: int, texts) -> str:
+    """Keep `budget` bytes of a memory-mapped mixture's experts in memory, the most used
+    first; returns what describe() says of it."""
+    use = routing.cached(cache_root, path)
+    if use is None and texts:
+        use = routing.measure(model, texts)
+        routing.save(cache_root, path, use)
+    blocks = moe.blocks(model)
+    if use is None:                          # nothing to measure on: block by block
+        use = routing.Routing(tuple((0,) * len(b[1].gate_up) for b in blocks), 0)
+    each = sum(t.nbytes for w in (blocks[0][1].gate_up[0], blocks[0][1].down[0]) for t in w.tensors())
+    kept = routing.keep_in_memory(model, use, budget // each)
+    why = f"the most used on {use.tokens} held tokens" if use.tokens else "no routing measured"
+    return f"{len(kept)} of {use.experts} experts in memory ({why}), the rest memory-mapped"

@@ -29,7 +29,7 @@ COMMANDS = (
     SlashCommand("copy", "[N]", "copy the last answer, or its code block N, to the clipboard"),
     SlashCommand("model", "PATH_OR_REPO", "load another model (the conversation carries over)", True),
     SlashCommand("profile", "NAME", "reload the model with a profile: auto, or one `localchat doctor` lists", True),
-    SlashCommand("drafter", "KIND", "speculative drafter: auto, ngram, model, none", True),
+    SlashCommand("drafter", "KIND", "speculative drafter: auto, ngram, model, mtp, none", True),
     SlashCommand("temperature", "T", "sampling temperature for the next answers (0 = greedy)", True),
     SlashCommand("stats", "", "the statistics of the last answer"),
     SlashCommand("export", "[FILE]", "write this conversation as Markdown (default: ./localchat-ID.md)"),
