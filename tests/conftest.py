@@ -37,6 +37,13 @@ def tiny_llama(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_deep(tmp_path_factory, tokenizer):
+    """24 layers: deep enough that streaming two layers at a time needs less memory than
+    even int4 weights, so the planner picks streaming on a small budget."""
+    return build_model(tmp_path_factory.mktemp("tiny-deep"), "llama", layers=24, tie=True, tokenizer=tokenizer, seed=7)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory, tokenizer):
     return build_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", tokenizer=tokenizer)
 

@@ -28,12 +28,6 @@ def tiny_tied(tmp_path_factory, tokenizer):
                        tokenizer=tokenizer, seed=3)
 
 
-@pytest.fixture(scope="module")
-def tiny_deep(tmp_path_factory, tokenizer):
-    """24 layers: deep enough that streaming two layers at a time needs less memory than
-    even int4 weights, so the planner picks streaming on a small budget."""
-    return build_model(tmp_path_factory.mktemp("tiny-deep"), "llama", layers=24, tie=True, tokenizer=tokenizer, seed=7)
-
 
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory, tokenizer):
