@@ -183,7 +183,12 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     if p.placement == "streamed":
         units, fixed_w, embed = streamed_units(shape)
         host_room = max(0, hw.host_available_bytes - margin) if kind != "cpu" else 0
-        place = place_streamed(units, max(units), fixed_w, embed, budget - fixed, host_room)
+        # what the loader stages (streamed.placement): a unit's file bytes wherever they are
+        # not read straight into the slot (another dtype, or a device copy)
+        file_bytes = shape.file_dtype_bytes or shape.dtype_bytes
+        staging = 0 if kind == "cpu" and file_bytes == shape.dtype_bytes else \
+            max(units) * file_bytes // shape.dtype_bytes
+        place = place_streamed(units, max(units), fixed_w, embed, budget - fixed, host_room, staging_bytes=staging)
         resident, host = place.resident_layers(shape.layers), place.host_layers(shape.layers)
         disk = shape.layers - resident - host
         streamed = place.streamed_bytes

@@ -43,6 +43,9 @@ class ModelShape:
     # The checkpoint's multi-token-prediction layer (mtp.*, Qwen3.5 and Qwen3-Next): what
     # `--drafter mtp` loads beside the target; 0 where the files have none.
     mtp_params: int = 0
+    # The element size the files hold, where a loader computes in another (dtype_bytes): a
+    # streamed unit is then read through a staging buffer of its file bytes. 0: the same.
+    file_dtype_bytes: int = 0
 
     def replay_bytes(self, max_draft: int, act_bytes: int | None = None) -> int:
         """The replay buffer of a conversation drafting up to max_draft tokens a round."""
@@ -172,7 +175,7 @@ class ModelShape:
             else:
                 other += n
         return replace(shape, dtype_bytes=dt, linear_params=linear, other_params=other, expert_params=experts,
-                       mtp_params=mtp)
+                       mtp_params=mtp, file_dtype_bytes=dt)
 
     def mtp_drafter(self, context: int) -> "ModelShape":
         """The MTP layer as a drafter's shape for the plan: its weights (exact: it is loaded

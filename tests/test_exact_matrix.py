@@ -5,6 +5,7 @@ int4 self-drafter (a quantized copy of the target) at k = 4 and adaptive k. Each
 the plain answer of the same target token for token, and the drafter did draft. The
 prompts repeat themselves, so n-gram drafts are taken and rejected both."""
 import pytest
+import torch
 
 import engine
 from tiny import budget_for
@@ -28,10 +29,8 @@ def _answers(eng) -> list[list[int]]:
 def test_speculative_equals_plain_in_every_format_and_placement(request, tmp_path, profile, dtype):
     if profile == "streamed-exact":     # a deeper model under a budget that streams most of its layers
         model = request.getfixturevalue("tiny_deep")
-        budget = budget_for(model, profile, context=256)
-        # computing a float32 checkpoint in bf16 stages each unit's float32 bytes too, which
-        # the plan does not count (the loader refuses, in one line, short of it)
-        opts = dict(memory_budget=budget * 3 // 2 if dtype == "bfloat16" else budget, context=256)
+        opts = dict(memory_budget=budget_for(model, profile, context=256, dtype=getattr(torch, dtype)),
+                    context=256)
     else:
         model = request.getfixturevalue("tiny_llama")
         opts = {}

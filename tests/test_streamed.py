@@ -174,6 +174,18 @@ def test_demote_keeps_logits(tiny_llama):
     assert st.ledger.peak <= st.weight_budget
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plan_needs_what_the_loader_needs(tiny_deep, dtype):
+    """The streamed row's least weight budget is the loader's own, staging included: a
+    float32 checkpoint computed in bf16 is read through a buffer of each unit's file bytes."""
+    from dataclasses import replace
+    from engine import hardware, planner, profiles
+    shape = replace(planner.ModelShape.from_checkpoint(tiny_deep), dtype_bytes=torch.finfo(dtype).bits // 8)
+    row = planner.make_plan(shape, hardware.detect(vram=10 ** 5, device="cpu"), profiles.builtin(),
+                            context=256).row("streamed-exact")
+    assert not row.fits and row.weights == minimum_budget(tiny_deep, CPU, dtype)
+
+
 def test_budget_below_minimum_is_refused_with_the_minimum(tiny_llama):
     with pytest.raises(BadRequest, match="at least"):
         load_streamed(tiny_llama, CPU, torch.float32, weight_budget=1000)

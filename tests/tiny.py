@@ -116,14 +116,17 @@ def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2,
     return Path(path)
 
 
-def budget_for(path: Path, profile: str, context: int = 64) -> int:
+def budget_for(path: Path, profile: str, context: int = 64, dtype: torch.dtype | None = None) -> int:
     """The smallest budget (in steps of 2% of the checkpoint) under which the planner picks
-    `profile` for this model on the CPU, as engine.open would."""
+    `profile` for this model on the CPU, as engine.open would (computing in `dtype`, if given)."""
     import engine
     from engine import hardware, planner, profiles
     from engine.checkpoint import tensor_index
     total = sum(e.nbytes for e in tensor_index(Path(path)).values())
     shape = planner.ModelShape.from_checkpoint(Path(path))
+    if dtype is not None:
+        from dataclasses import replace
+        shape = replace(shape, dtype_bytes=torch.finfo(dtype).bits // 8)
     every = profiles.builtin()
     for step in range(10, 200, 2):
         hw = hardware.detect(vram=total * step // 100, device="cpu")
