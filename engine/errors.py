@@ -14,6 +14,10 @@ class CheckpointError(EngineError):
     """A checkpoint exists but is unreadable: missing config, truncated or corrupt weights."""
 
 
+class BadWeights(CheckpointError):
+    """The weights read, but hold NaN or inf: no retry helps, the model must be replaced."""
+
+
 class UnsupportedModel(EngineError):
     """The checkpoint's architecture is not one this engine can run."""
 

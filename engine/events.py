@@ -55,3 +55,4 @@ class Done:
     token_ids: tuple[int, ...] = field(default=())
     text: str = ""
     error: str = ""
+    bad_weights: bool = False       # the error is the checkpoint's (non-finite weights): nothing to retry

@@ -10,11 +10,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
+import torch
+
 from . import decode as decoding
 from . import speculative
 from .cache import common_prefix
 from .detokenize import IncrementalDecoder
-from .errors import BadRequest, EngineError
+from .checkpoint import nonfinite_reason
+from .errors import BadRequest, BadWeights, EngineError
 from .events import Done, Stats, TextDelta
 from .sampling import SamplingParams, make_generator
 from .stats import StatsTracker
@@ -139,7 +142,7 @@ class Chat(Messages):
         eng, target = self.engine, self.engine.target
         detok = IncrementalDecoder(eng.tokenizer)
         generated: list[int] = []
-        reason, error = "length", ""
+        reason, error, bad_weights = "length", "", False
         tracker = None
         try:
             prompt, prompt_text = rendered
@@ -163,6 +166,9 @@ class Chat(Messages):
                     yield tracker.snapshot()
                     if self._cancel.is_set():
                         break
+            if first is not None and not bool(torch.isfinite(first).all()):
+                # at the latest here: weights no loader checked (streamed), or an overflow
+                raise BadWeights(nonfinite_reason(eng.checkpoint.path, target.cache.dtype))
             if first is None:               # stopped within the prefill: no token to show yet
                 reason = "cancelled"
             else:
@@ -188,6 +194,7 @@ class Chat(Messages):
                     reason = "cancelled"
         except EngineError as exc:
             reason, error = "error", str(exc)
+            bad_weights = isinstance(exc, BadWeights)
         except RuntimeError as exc:   # torch failures (out of memory, a read error) end the answer, not the app
             reason, error = "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         except (GeneratorExit, KeyboardInterrupt):
@@ -210,7 +217,7 @@ class Chat(Messages):
                     kept.pop()   # the template writes its own end-of-turn after the answer
                 self._turn_text = prompt_text + answer["content"]
                 self._turn_ids = prompt + kept
-            self.last_done = Done(reason, tuple(generated), answer["content"], error)
+            self.last_done = Done(reason, tuple(generated), answer["content"], error, bad_weights)
         if tail:
             yield TextDelta(tail)
         yield self.last_stats if self.last_stats else Stats()

@@ -131,8 +131,12 @@ def open_engine(settings: config_mod.Settings, progress=None, api_key: str | Non
         from . import remote
         return remote.RemoteEngine(settings.backend, settings.backend_model, remote.api_key(api_key))
     import engine
-    return engine.open(settings.model, device=settings.device, dtype=settings.dtype, drafter=settings.drafter,
-                       draft_model=settings.draft_model, draft_tokens=settings.draft_tokens,
-                       drafter_weights=settings.drafter_weights, profile_dir=config_mod.config_dir() / "profiles",
-                       memory_budget=settings.vram, host_memory=settings.ram, profile=settings.profile,
-                       context=settings.context, progress=progress)
+    eng = engine.open(settings.model, device=settings.device, dtype=settings.dtype, drafter=settings.drafter,
+                      draft_model=settings.draft_model, draft_tokens=settings.draft_tokens,
+                      drafter_weights=settings.drafter_weights, profile_dir=config_mod.config_dir() / "profiles",
+                      memory_budget=settings.vram, host_memory=settings.ram, profile=settings.profile,
+                      context=settings.context, progress=progress)
+    note = eng.describe().get("kernels", "")          # "none (why): torch's kernels" where none runs
+    if "cannot build the kernels there" in note:       # it answers, several times slower: say why
+        error(f"{note[note.index('(') + 1:note.rindex(')')]}; answering with torch's kernels")
+    return eng

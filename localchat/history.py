@@ -134,7 +134,8 @@ class History:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise HistoryError(f"{path.parent}: cannot create the data directory ({exc.strerror or exc})") from None
+            raise HistoryError(f"{path.parent}: cannot create the data directory ({exc.strerror or exc}); "
+                               "--data-dir or LOCALCHAT_DATA_DIR moves it") from None
         try:
             # isolation_level=None: we open transactions ourselves (BEGIN IMMEDIATE), so
             # a migration or a replacement is all-or-nothing.

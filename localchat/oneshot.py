@@ -182,5 +182,5 @@ def run_oneshot(args, settings) -> int:
         print(format_stats(stats), file=sys.stderr)
     if done.reason == "error":
         error(done.error)
-        return EXIT_FAIL
+        return EXIT_USAGE if done.bad_weights else EXIT_FAIL
     return EXIT_OK

@@ -40,7 +40,7 @@ def run(case: Case, home: Path) -> subprocess.CompletedProcess:
     env = os.environ.copy()
     env.update({"LOCALCHAT_CONFIG_DIR": str(home / "config"), "LOCALCHAT_DATA_DIR": str(home / "data"),
                 "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"})
-    env.update(case.env)
+    env.update({k: v.replace("{home}", str(home)) for k, v in case.env.items()})
 
     def limits():
         import resource
@@ -80,9 +80,24 @@ def model_cases(tiny: Path, gguf: Path) -> list[Case]:
     """Each case makes its bad model in the case's own folder ({home} in the arguments)."""
     cases = []
 
-    def bad_model(name, make, says, code=2, no_dac=False):
-        cases.append(Case(name, ["--model", f"{{home}}/{name}", "-n", "4", "hi"], code, says, no_dac=no_dac,
+    def bad_model(name, make, says, code=2, no_dac=False, args=("-n", "4", "hi"), command=()):
+        cases.append(Case(name, [*command, "--model", f"{{home}}/{name}", *args], code, says, no_dac=no_dac,
                           prepare=lambda home: make(_copy(tiny, home / name))))
+
+    def nan_weights(d):
+        def poison(t):
+            w = t["model.layers.1.mlp.down_proj.weight"]
+            w.view(-1)[:10] = float("nan")
+            w.view(-1)[-1] = float("inf")
+        _rewrite_weights(d, poison)
+    # found when the weights are loaded or quantized, or (streamed) in the first logits
+    nan_says = ("model.layers.1.mlp.down_proj.weight", "11 non-finite values")
+    bad_model("nan-weights", nan_weights, nan_says)
+    for profile in ("resident-int8", "resident-int4", "streamed-exact"):
+        bad_model(f"nan-weights-{profile}", nan_weights, ("model.layers.1.mlp.down_proj.weight", "non-finite"),
+                  args=("--profile", profile, "-n", "4", "hi"))
+    bad_model("nan-weights-doctor-fidelity", nan_weights, nan_says, command=("doctor",), args=("--fidelity",))
+    bad_model("nan-weights-bench", nan_weights, nan_says, command=("bench",), args=("-n", "4", "--runs", "1"))
 
     def truncate(d):
         f = d / "model.safetensors"
@@ -215,6 +230,17 @@ def state_cases(tiny: Path) -> list[Case]:
         for p in (_history(home).parent, *_history(home).parent.iterdir()):
             p.chmod(0o555 if p.is_dir() else 0o444)
 
+    def read_only_cache(home):
+        (home / "rocache").mkdir()
+        (home / "rocache").chmod(0o555)
+
+    def read_only_cache_with_the_demo(home):
+        from engine import checkpoint
+        demo = checkpoint.resolve(None).path                   # the suite's own import of the demo GGUF
+        shutil.copytree(demo, home / "rocache" / "imports" / demo.name)
+        for p in sorted((home / "rocache").rglob("*"), reverse=True) + [home / "rocache"]:
+            p.chmod(0o555 if p.is_dir() else 0o444)
+
     def kept_rows(home, proc):
         assert [r[1] for r in _rows(home)] == ["a question worth keeping", "an answer worth keeping"]
 
@@ -235,6 +261,15 @@ def state_cases(tiny: Path) -> list[Case]:
              prepare=lambda home: _seed_history(home), limit_fsize=1),
         Case("history-locked", m + ["hi"], 0, ("history.db",), prepare=_seed_history, check=kept_rows,
              lock=True),
+        # every directory localchat writes can be unwritable: one line naming it and what moves it
+        Case("cache-unwritable-import", ["--no-log", "-n", "3", "hi"], 2, ("rocache", "LOCALCHAT_CACHE_DIR"),
+             env={"LOCALCHAT_CACHE_DIR": "{home}/rocache"}, prepare=read_only_cache, no_dac=True),
+        Case("cache-unwritable-kernels", ["--no-log", "-n", "3", "hi"], 0,
+             ("rocache/kernels", "LOCALCHAT_CACHE_DIR", "torch's kernels"),
+             env={"LOCALCHAT_CACHE_DIR": "{home}/rocache"}, prepare=read_only_cache_with_the_demo, no_dac=True),
+        Case("data-unwritable", ["-n", "3", "hi"], 0, ("LOCALCHAT_DATA_DIR", "--no-log"),
+             env={"LOCALCHAT_DATA_DIR": "{home}/rodata/sub"}, prepare=lambda home: (home / "rodata").mkdir(0o555),
+             no_dac=True),
         Case("history-show-missing", ["history", "show", "999"], 2, ("999",), prepare=_seed_history, check=kept_rows),
         Case("doctor-bad-config", ["doctor", "--model", "{bad}"], 2, ("config.json", "hidden_size")),
         Case("doctor-vram-lots", ["doctor", "--model", str(tiny), "--vram", "lots"], 2, ("--vram", "lots")),
@@ -347,3 +382,18 @@ def test_weights_truncated_mid_answer_end_it_with_one_line_and_keep_it(tiny_llam
     rows = con.execute("select role, content, finish_reason from messages order by id").fetchall()
     con.close()
     assert rows[0][:2] == ("user", "Tell me a story") and rows[1][0] == "assistant" and rows[1][2] == "error"
+
+
+def test_a_gguf_with_nan_weights_is_refused_at_import_and_nothing_is_kept(tiny_llama, tmp_path):
+    """A GGUF whose tensors hold NaN is refused while it is imported, naming the GGUF file
+    and the tensor, and no half import is left in the cache for the next start."""
+    import engine
+    from gguf_writer import write_gguf
+    src = _copy(tiny_llama, tmp_path / "src")
+    _rewrite_weights(src, lambda t: t["model.layers.0.self_attn.o_proj.weight"].view(-1).__setitem__(3, float("nan")))
+    path = write_gguf(src, tmp_path / "poisoned.gguf")
+    cache = tmp_path / "cache"
+    with pytest.raises(engine.CheckpointError, match=r"poisoned.gguf: tensor model.layers.0.self_attn.o_proj.weight "
+                                                     r"holds 1 non-finite values"):
+        engine.open(str(path), drafter="none", cache_dir=cache)
+    assert not list(cache.rglob("*.safetensors"))

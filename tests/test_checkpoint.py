@@ -101,3 +101,21 @@ def test_demo_gguf_import_is_cached():
     cfg = json.loads((first.path / "config.json").read_text())
     assert cfg["model_type"] == "llama" and "quantization_config" not in cfg
     checkpoint.validate_dir(first.path)
+
+
+def test_check_finite_finds_nan_and_inf_and_not_an_overflowing_sum():
+    """One NaN or inf anywhere (past the first slice too) is found and counted; a float16
+    tensor whose sum overflows but whose every value is finite passes."""
+    import torch
+
+    from engine import checkpoint
+    from engine.errors import BadWeights
+    big = torch.ones(checkpoint._FINITE_SLICE + 7, dtype=torch.float16)      # sums to inf in float16
+    checkpoint.check_finite([("w", big)], "here")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            t = torch.zeros(checkpoint._FINITE_SLICE + 7, dtype=dtype)
+            t[-2] = bad
+            with pytest.raises(BadWeights, match=r"here: tensor w holds 1 non-finite values \(NaN or inf\) of its "):
+                checkpoint.check_finite([("ok", torch.zeros(3)), ("w", t)], "here")
+    checkpoint.check_finite([("ids", torch.tensor([1, 2, 3]))], "here")           # integers are not checked

@@ -15,6 +15,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -73,7 +74,13 @@ def _build(name: str, flags: list[str]) -> Path:
     out = folder / f"{name}-{digest}.so"
     if out.exists():
         return out
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-")
+        probe.close()
+    except OSError as exc:
+        raise RuntimeError(f"{folder}: cannot build the kernels there ({exc.strerror or exc}); set "
+                           "LOCALCHAT_CACHE_DIR to a writable directory") from None
     # Built under a name of its own, then renamed: two processes building at once each
     # load a whole library, never one half-written by the other.
     tmp = folder / f".{name}-{digest}.{os.getpid()}.{threading.get_ident()}.so"

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import TensorEntry, stored_name, tensor_index
+from ..checkpoint import TensorEntry, check_finite, stored_name, tensor_index
 from ..errors import BadRequest, CheckpointError, UnsupportedModel
 from . import qweights
 from .qcache import QuantCache
@@ -126,9 +126,11 @@ class ModuleSource:
         e = self.entry(model_name)
         try:
             with safe_open(e.file, framework="pt") as fh:
-                return fh.get_tensor(e.name).clone() if a is None else fh.get_slice(e.name)[a:b]
+                t = fh.get_tensor(e.name).clone() if a is None else fh.get_slice(e.name)[a:b]
         except (OSError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"{e.file}: cannot read {e.name} ({exc}); re-download the model") from None
+        check_finite([(e.name, t)], e.file, "" if a is None else f"{a}-{b}")   # all a loader or the quantizer reads
+        return t
 
     def quantized(self, model_name: str, fmt: str, group: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Quantize one [N, K] checkpoint matrix, chunk by chunk of rows."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..cache import KVCache, RecurrentCache
+from ..checkpoint import check_finite
 from ..errors import CheckpointError, UnsupportedModel
 from ..models import hf_forward, llama_family
 
@@ -135,4 +136,5 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
         what = f"tensor {missing[0]} is missing" if missing else f"tensor {info['mismatched_keys'][0]} has the wrong shape"
         raise CheckpointError(f"{path}: {what} in the weight files; re-download the model")
     model.to(device).eval()
+    check_finite(model.named_parameters(), path)
     return ResidentTarget(model, device, dtype, fast=fast)
