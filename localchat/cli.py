@@ -30,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(p)
     conv = p.add_argument_group("saved conversations")
     conv.add_argument("--continue", "-c", dest="resume_last", action="store_true",
-                      help="chat UI: resume the most recent conversation")
-    conv.add_argument("--cid", type=int, metavar="ID", help="chat UI: resume conversation ID (`localchat history`)")
+                      help="resume the most recent conversation: in the chat UI, or with a prompt, as its next turn")
+    conv.add_argument("--cid", type=int, metavar="ID",
+                      help="resume conversation ID (`localchat history`): in the chat UI, or with a prompt")
     conv.add_argument("--no-log", action="store_true",
                       help="save nothing: neither this one-shot prompt nor, in the chat UI, this session")
     conv.add_argument("--data-dir", metavar="DIR", help="where history.db lives (default: the user data dir)")
@@ -75,15 +76,12 @@ def run(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     quiet_libraries()
     interactive = not args.prompt and sys.stdin.isatty() and sys.stdout.isatty()
-    if (args.resume_last or args.cid is not None) and not (interactive and not args.json):
-        error("--continue/--cid resume a conversation in the chat UI; run `localchat` in a terminal without a prompt")
+    if args.no_log and (args.resume_last or args.cid is not None):
+        error("--no-log saves nothing, so it cannot resume a saved conversation (drop --continue/--cid)")
         return EXIT_USAGE
     try:
         if interactive and not args.json:
             from .tui.app import run_tui
-            if args.no_log and (args.resume_last or args.cid):
-                error("--no-log starts an unsaved chat; it cannot resume one (drop --continue/--cid)")
-                return EXIT_USAGE
             return run_tui(lambda s, progress=None: open_engine(s, progress, api_key=args.api_key),
                            settings, data_dir=args.data_dir, resume="last" if args.resume_last else args.cid,
                            save=not args.no_log)

@@ -82,23 +82,44 @@ def partial_answer(chat) -> str:
     return last["content"] if last and last["role"] == "assistant" else ""
 
 
+def earlier_turns(data_dir: str | None, resume: int | str):
+    """The saved conversation a one-shot prompt continues (--continue: the most recent, of
+    the chat UI or a one-shot; --cid ID), or None where there is none to continue (said
+    here); a --cid that names no conversation, or a history that cannot be read, raises
+    HistoryError."""
+    from . import history
+    db = history.History.open(history.default_path(data_dir))
+    try:
+        cid = db.last_id(source=None) if resume == "last" else int(resume)
+        conv = db.get(cid) if cid is not None else None
+    finally:
+        db.close()
+    if conv is None and resume != "last":
+        raise history.HistoryError(f"--cid {resume}: no such conversation (see `localchat history`)")
+    if conv is None:
+        error("--continue: no saved conversation yet; this is a new one")
+    return conv
+
+
 class OneshotLog:
     """One-shot prompts are saved as one-turn conversations (source "oneshot"), like
-    `llm` logs them: the prompt before the answer starts, the answer when it ends.
-    A history that cannot be opened or written is one warning line, never a failure."""
+    `llm` logs them, or as the next turn of the conversation they continue (--continue,
+    --cid): the prompt before the answer starts, the answer when it ends. A history that
+    cannot be opened or written is one warning line, never a failure."""
 
     def __init__(self, db, cid: int | None):
         self.db, self.cid = db, cid
 
     @classmethod
     def open(cls, enabled: bool, data_dir: str | None, prompt: str, model: str,
-             system: str | None) -> "OneshotLog":
+             system: str | None, cid: int | None = None) -> "OneshotLog":
         if not enabled:               # --no-log
             return cls(None, None)
         from . import history
         try:
             db = history.History.open(history.default_path(data_dir))
-            cid = db.new_conversation(history.title_from(prompt), model=model, system=system, source="oneshot")
+            if cid is None:
+                cid = db.new_conversation(history.title_from(prompt), model=model, system=system, source="oneshot")
             db.add_message(cid, "user", prompt)
             return cls(db, cid)
         except history.HistoryError as exc:
@@ -127,13 +148,24 @@ def run_oneshot(args, settings) -> int:
     if not prompt.strip():
         error("the prompt is empty: pass a question as arguments or on stdin (or run `localchat` in a terminal for the chat UI)")
         return EXIT_USAGE
+    earlier = None
+    if args.resume_last or args.cid is not None:        # before the model loads: a bad --cid fails fast
+        from . import history
+        try:
+            earlier = earlier_turns(args.data_dir, "last" if args.resume_last else args.cid)
+        except history.HistoryError as exc:
+            error(str(exc))
+            return EXIT_USAGE
     try:
         eng = open_engine(settings, api_key=args.api_key)
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
     chat = eng.chat(system=settings.system)
-    log = OneshotLog.open(not args.no_log, args.data_dir, prompt, eng.name, settings.system)
+    if earlier is not None:
+        chat.restore(earlier.engine_messages())        # its own system prompt and turns
+    log = OneshotLog.open(not args.no_log, args.data_dir, prompt, eng.name, settings.system,
+                          cid=earlier.id if earlier is not None else None)
     out = sys.stdout
     stream = not args.json
     done, stats, wrote_newline = None, None, True

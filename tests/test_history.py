@@ -235,15 +235,41 @@ def test_sigkill_mid_answer_keeps_the_prompt_and_earlier_turns(tiny_llama, tmp_p
     db.close()
 
 
-def test_resume_flags_are_checked(capsys):
-    """--continue with --cid, or either with a one-shot prompt, is one line and exit 2
-    (nothing is loaded)."""
+def test_resume_flags_are_checked(tmp_path, monkeypatch, capsys):
+    """--continue with --cid, either with --no-log, or a --cid no conversation has, is one
+    line and exit 2 (nothing is loaded: the model named does not exist)."""
     from localchat import cli
     assert cli.run(["--continue", "--cid", "3"]) == 2
     assert "give one" in capsys.readouterr().err
-    assert cli.run(["--cid", "3", "a prompt"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "chat UI" in err
+    assert cli.run(["--cid", "3", "--no-log", "a prompt"]) == 2
+    assert "--no-log" in capsys.readouterr().err
+    code, _, err = oneshot(["--model", "/nonexistent/model", "--cid", "3", "a prompt"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and err.count("\n") == 1 and "--cid 3: no such conversation" in err
+
+
+def test_a_oneshot_prompt_continues_a_saved_conversation(tiny_llama, tmp_path, monkeypatch, capsys):
+    """`-c "follow-up"` answers as the next turn of the most recent conversation, with its
+    earlier turns in the prompt, and saves the turn there (as `llm -c` does); `--cid ID`
+    continues that one; with nothing saved yet, -c says so and starts one."""
+    import engine
+    model = ["--model", str(tiny_llama), "-n", "8"]
+    code, _, err = oneshot([*model, "-c", "first question"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and "no saved conversation yet" in err
+    code, _, _ = oneshot([*model, "another topic"], tmp_path, monkeypatch, capsys)
+    code, second, err = oneshot([*model, "-c", "and then?"], tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    db = hist.History.open(tmp_path / "history.db")
+    first_id, other_id = sorted(c.id for c in db.conversations())
+    turns = db.get(other_id).messages
+    assert [(m.role, m.content) for m in turns][::2] == [("user", "another topic"), ("user", "and then?")]
+    # the answer is the engine's to the whole saved conversation (its text, as saved)
+    chat = engine.open(str(tiny_llama), drafter="none").chat()
+    chat.restore([{"role": m.role, "content": m.content} for m in turns[:2]])
+    assert turns[3].content == second.rstrip("\n") == list(chat.send("and then?", max_new_tokens=8))[-1].text
+    code, _, _ = oneshot([*model, "--cid", str(first_id), "more on the first"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and [m.content for m in db.get(first_id).messages][2] == "more on the first"
+    assert len(db.get(first_id).messages) == 4 and len(db.conversations()) == 2
+    db.close()
 
 
 def test_history_delete_asks_on_a_terminal_and_needs_yes_without_one(db, tmp_path, monkeypatch, capsys):
