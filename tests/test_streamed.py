@@ -36,18 +36,10 @@ def tiny_bf16(tmp_path_factory, tokenizer):
                        tokenizer=tokenizer, seed=5)
 
 
-def _torch_ops(target):
-    """A resident reference run as the streamed forward runs: its layers as torch operations.
-    Its layer kernel (engine/kernels/layer.c) rounds where they round but sums norms and
-    attention in its own order, so only that path is the streamed one's bit for bit."""
-    if getattr(getattr(target, "impl", None), "_stack", None) is not None:
-        target.impl._stack = None
-    return target
-
-
 def _passes(target, seed=0):
-    """A prefill, single steps and verify passes of several lengths: what decoding does."""
-    _torch_ops(target)
+    """A prefill, single steps and verify passes of several lengths: what decoding does.
+    Where the layer kernel runs, the resident target runs all its layers in one call of it
+    and the streamed one each layer in its own call as the layer arrives: the same bits."""
     g = torch.Generator().manual_seed(seed)
     out = [target.forward(torch.randint(0, target.vocab_size, (23,), generator=g).tolist(), all_logits=True)]
     for n in (1, 1, 2, 5, 9, 1, 17, 40):
@@ -81,6 +73,8 @@ def test_streamed_logits_equal_resident_bit_for_bit(request, fixture, share, tor
     budget = minimum_budget(path, CPU, torch.float32, slot_numel=slot) + int(total * share)
     st = load_streamed(path, CPU, torch.float32, weight_budget=budget, slot_numel=slot)
     assert len(st.index.head_units) > 1
+    from engine.kernels import layer_kernel
+    assert (st.impl._one is not None) == (not layer_kernel.why_not(torch.float32))
     _assert_same(ref, _passes(st))
     assert st.ledger.peak <= st.weight_budget
     st.close()
@@ -290,9 +284,7 @@ def test_demo_streamed_logits_equal_resident_with_a_quarter_budget(demo_engine):
     budget = _model_bytes(path) // 4
     st = load_streamed(path, CPU, torch.float32, weight_budget=budget)
     assert st.placement.disk and st.placement.resident
-    ref = demo_engine.target
-    stack = ref.impl._stack
-    _torch_ops(ref)
+    ref = demo_engine.target                 # its layer kernel runs the stack, the streamed one layer by layer
     demo_engine.cache_owner = None          # the fixture's chats refill the cache when they next run
     ref.cache.rollback(0)
     prompt = demo_engine.tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"]
@@ -302,7 +294,6 @@ def test_demo_streamed_logits_equal_resident_with_a_quarter_budget(demo_engine):
         assert torch.equal(ref.forward(ids, all_logits=True), st.forward(ids, all_logits=True)), n
     assert st.ledger.peak <= budget
     ref.cache.rollback(0)
-    ref.impl._stack = stack
 
 
 @pytest.mark.demo

@@ -87,8 +87,9 @@ def _load(dtype: torch.dtype) -> str:
     return ""
 
 
-def why_not_for(fwd, dtype: torch.dtype) -> str:
-    """'' when `fwd`'s layers (llama_family.LayerWeights) can run the layer kernel."""
+def why_not_for(fwd, dtype: torch.dtype, layers=None) -> str:
+    """'' when `fwd`'s layers (llama_family.LayerWeights; `layers` if given) can run the
+    layer kernel."""
     why = why_not(dtype)
     if why:
         return why
@@ -96,7 +97,12 @@ def why_not_for(fwd, dtype: torch.dtype) -> str:
         return "the cache is not on the CPU in the weights' dtype"
     if fwd.head_dim > MAX_HEAD_DIM or fwd.head_dim % 2 or fwd.heads % fwd.kv_heads:
         return f"head size {fwd.head_dim} with {fwd.heads}/{fwd.kv_heads} heads"
-    for w in fwd.layers:
+    return why_not_weights(fwd.layers if layers is None else layers, dtype)
+
+
+def why_not_weights(layers, dtype: torch.dtype) -> str:
+    """'' when these layers' weights are held as layer.c reads them."""
+    for w in layers:
         for name, t in vars(w).items():
             if t is None:
                 continue
@@ -124,19 +130,28 @@ def _mat(t) -> _Mat:
     return _Mat(t.q.data_ptr(), t.scale.data_ptr(), t.zero.data_ptr(), t.group)
 
 
+def _describe(d: _Weights, w, kc: torch.Tensor, vc: torch.Tensor) -> None:
+    for name in VECTORS:
+        t = getattr(w, name)
+        setattr(d, name, t.data_ptr() if t is not None else None)
+    for name in MATRICES:
+        setattr(d, name, _mat(getattr(w, name)))
+    d.k_cache, d.v_cache = kc.data_ptr(), vc.data_ptr()
+
+
 class LayerStack:
     """The C descriptions of a forward's layers, over whichever KV cache the forward holds
     when it is called. The descriptions and the scratch memory are kept per thread (engines
     on two threads, as in `serve` beside a benchmark, never share them) and rebuilt when the
     cache changes (a reallocation, another cache)."""
 
-    def __init__(self, fwd, dtype: torch.dtype):
+    def __init__(self, fwd, dtype: torch.dtype, hidden: int | None = None):
         self.layers, self.dtype = fwd.layers, dtype
         lib = _libs[dtype]
         sfx = SUFFIX[dtype]
         self._run = getattr(lib, f"layers_{sfx}")
         self._size = getattr(lib, f"layer_scratch_bytes_{sfx}")
-        hidden = fwd.layers[0].ln1.shape[0]
+        hidden = hidden or fwd.layers[0].ln1.shape[0]
         self._shape = (hidden, fwd.heads, fwd.kv_heads, fwd.head_dim, fwd.intermediate, fwd.eps, fwd.scaling)
         self._mine = threading.local()
 
@@ -154,12 +169,7 @@ class LayerStack:
             return None
         descs = (_Weights * len(self.layers))()
         for d, w, kc, vc in zip(descs, self.layers, cache.k, cache.v):
-            for name in VECTORS:
-                t = getattr(w, name)
-                setattr(d, name, t.data_ptr() if t is not None else None)
-            for name in MATRICES:
-                setattr(d, name, _mat(getattr(w, name)))
-            d.k_cache, d.v_cache = kc.data_ptr(), vc.data_ptr()
+            _describe(d, w, kc, vc)
         hidden, heads, kv, hd, inter, eps, scale = self._shape
         me.descs, me.shape, me.key = descs, _Shape(hidden, heads, kv, hd, inter, shape[2], eps, scale), key
         return me.descs, me.shape
@@ -170,7 +180,22 @@ class LayerStack:
         state = self._state(cache)
         if state is None:
             return None
-        descs, shape = state
+        return self._pass(*state, h, pos, cos, sin)
+
+    def layer(self, cache, i: int, w, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Layer i alone, with the weights `w` (llama_family.LayerWeights: a streamed slot's
+        views), over h in place, as the whole stack runs it: the same call, the same bits.
+        False (h untouched) where the cache is not laid out as the kernel reads it."""
+        kc, vc = cache.k[i], cache.v[i]
+        if not (kc.is_contiguous() and vc.is_contiguous() and kc.dtype == vc.dtype == self.dtype):
+            return False
+        d = _Weights()
+        _describe(d, w, kc, vc)
+        hidden, heads, kv, hd, inter, eps, scale = self._shape
+        self._pass((_Weights * 1)(d), _Shape(hidden, heads, kv, hd, inter, kc.shape[2], eps, scale), h, pos, cos, sin)
+        return True
+
+    def _pass(self, descs, shape, h: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = h.shape[0]
         threads = torch.get_num_threads()
         need = self._size(ctypes.addressof(shape), T, pos + T, threads)

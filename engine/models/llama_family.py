@@ -99,6 +99,9 @@ def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None, pad: bool = 
 
 class LlamaFamilyForward(rows.KernelPasses):
     _stack: layer_kernel.LayerStack | None = None
+    # A forward whose weights come and go (streamed): each layer's step in the same C
+    # call, one layer at a time, so its bits are the whole stack's.
+    _one: layer_kernel.LayerStack | None = None
     layer_kernel_note = "the weights are not held by this forward"
     def __init__(self, model, cache: KVCache):
         inner = model.model
@@ -270,7 +273,11 @@ class LlamaFamilyForward(rows.KernelPasses):
         if out is not None:
             h = out
         else:
+            one = self._one if self._row_kernel(T) and not torch.compiler.is_compiling() else None
             for i, w in enumerate(self.iter_layers()):
+                if one is not None and not layer_kernel.why_not_weights([w], self.cache.dtype) \
+                        and one.layer(self.cache, i, w, h, pos, cos[0], sin[0]):
+                    continue
                 h = self._layer(i, w, h, pos, cos, sin, mask, causal, rowwise)
         if not all_logits:
             h = h[-1:]

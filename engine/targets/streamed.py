@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .. import planner
 from ..errors import BadRequest, EngineError, UnsupportedModel
+from ..kernels import layer_kernel
 from ..models import llama_family, rows
 from . import layer_index, streamed_modules, thread_check
 from ..cache import KVCache
@@ -69,6 +70,12 @@ class StreamedForward(llama_family.LlamaFamilyForward):
         self.t = target
         self.norm = target.norm
         self.layers = []
+        # one-token steps and verify passes: each layer in layer.c as it arrives, the bits
+        # of the resident target's stack (whose weights the same checks pass per layer)
+        self.layer_kernel_note = (layer_kernel.why_not_for(self, self.cache.dtype) if self._kernel
+                                  else "the row kernel does not run here")
+        if not self.layer_kernel_note:
+            self._one = layer_kernel.LayerStack(self, self.cache.dtype, hidden=cfg.hidden_size)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         return []
