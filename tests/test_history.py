@@ -288,3 +288,61 @@ def test_history_delete_asks_on_a_terminal_and_needs_yes_without_one(db, tmp_pat
     monkeypatch.setattr(sys, "stdin", TerminalStdin("y\n"))
     assert history_main(["--data-dir", data, "delete", str(asked)]) == 0
     assert db.get(asked) is None
+
+
+WRITER = """
+import sys
+from localchat import history
+db = history.History.open(sys.argv[1])
+cid = db.new_conversation("writer " + sys.argv[2], source="oneshot")
+print(cid, flush=True)
+for i in range(int(sys.argv[3])):
+    db.add_message(cid, "user" if i % 2 == 0 else "assistant", f"{sys.argv[2]} turn {i}")
+"""
+
+
+def _writer(path, name: str, turns: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(path), name, str(turns)], stdout=subprocess.PIPE,
+                            text=True)
+
+
+def test_writers_at_once_lose_no_turn_and_a_kill_mid_write_leaves_the_file_whole(tmp_path):
+    """Two one-shot processes and the chat UI's store (this process) append to one
+    history.db at the same time: every turn of each is there, in order. A writer killed
+    with SIGKILL in the middle of its writes leaves a database that passes SQLite's
+    integrity check, holding a gapless prefix of its turns."""
+    path = tmp_path / "history.db"
+    hist.History.open(path).close()
+    procs = [_writer(path, name, 150) for name in ("a", "b")]
+    db = hist.History.open(path)
+    cid = db.new_conversation("ui")
+    for i in range(150):
+        db.add_message(cid, "user", f"ui {i}")
+    try:
+        assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    convs = {c.title: db.get(c.id) for c in db.conversations()}
+    for name in ("a", "b"):
+        assert [m.content for m in convs[f"writer {name}"].messages] == [f"{name} turn {i}" for i in range(150)]
+    assert [m.content for m in convs["ui"].messages] == [f"ui {i}" for i in range(150)]
+    killed = _writer(path, "k", 1_000_000)
+    try:
+        kid = int(killed.stdout.readline())
+        while len(db.get(kid).messages) < 50:         # well into its writes, then SIGKILL
+            db.add_message(cid, "user", "meanwhile")
+        killed.kill()
+        assert killed.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+    db.close()
+    con = sqlite3.connect(path)
+    assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    con.close()
+    db = hist.History.open(path)
+    kept = [m.content for m in db.get(kid).messages]
+    assert kept == [f"k turn {i}" for i in range(len(kept))] and len(kept) >= 50
+    db.close()
