@@ -137,6 +137,32 @@ class Chat(Messages):
         self._cancel.clear()
         return self._answer(answer, params, max_new_tokens, rendered)
 
+    def complete(self, prompt: str, max_new_tokens: int = 16, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Iterator:
+        """Continue `prompt` as plain text, without the chat template (a completions API):
+        TextDelta..., Stats..., Done, as send() streams them. The text is tokenized as the
+        model's tokenizer does a document (its BOS token where it adds one). It is not a
+        turn: the conversation is emptied first and stays empty after; the KV cache keeps
+        the longest prefix a later completion shares."""
+        if not prompt:
+            raise BadRequest("the prompt is empty")
+        if max_new_tokens <= 0:
+            raise BadRequest(f"max_tokens {max_new_tokens}: must be at least 1")
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        ids = encode(self.engine.tokenizer, prompt, add_special_tokens=True)
+        room = self.engine.target.cache.max_positions
+        if len(ids) >= room:
+            raise BadRequest(f"the prompt is {len(ids)} tokens and the model's context holds {room}; shorten it")
+        self.messages = []
+        self._cancel.clear()
+        return self._completion(params, max_new_tokens, ids, prompt)
+
+    def _completion(self, params, max_new_tokens: int, ids: list[int], prompt: str) -> Iterator:
+        try:
+            yield from self._answer({"role": "assistant", "content": ""}, params, max_new_tokens, (ids, prompt))
+        finally:
+            self._turn_text, self._turn_ids = "", []       # a chat turn after it renders afresh
+
     def _answer(self, answer: dict, params: SamplingParams, max_new_tokens: int,
                 rendered: tuple[list[int], str]) -> Iterator:
         eng, target = self.engine, self.engine.target

@@ -55,6 +55,27 @@ def test_answers_equal_the_engines_token_for_token(model, client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == got.choices[0].finish_reason
 
 
+def test_plain_text_completions_equal_the_engines_token_for_token(model, server, client):
+    """POST /v1/completions continues a prompt without the chat template, whole and
+    streamed, with OpenAI's default of 16 tokens; a bad prompt names the field."""
+    chat = engine.open(str(model), dtype="float32", drafter="none").chat()
+    list(chat.complete("def fib(n):", max_new_tokens=16))
+    want = chat.last_done.text
+    got = client.completions.create(model="served", prompt="def fib(n):")
+    assert got.object == "text_completion" and got.choices[0].text == want
+    assert got.choices[0].finish_reason in ("length", "stop")
+    assert got.usage.completion_tokens == len(chat.last_done.token_ids) == 16
+    assert got.usage.prompt_tokens == chat.last_stats.prompt_tokens
+    chunks = list(client.completions.create(model="served", prompt=["def fib(n):"], stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 16
+    for body, param in (({"model": "served"}, "prompt"), ({"model": "served", "prompt": ["a", "b"]}, "prompt"),
+                        ({"model": "served", "prompt": "x", "echo": True}, "echo")):
+        status, answer, _ = server.request("POST", "/v1/completions", body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+
+
 def test_a_stop_string_ends_the_answer_before_it(client):
     whole = client.chat.completions.create(model="served", messages=MSGS, max_tokens=24).choices[0].message.content
     stop = whole[len(whole) // 2:len(whole) // 2 + 3]
@@ -90,6 +111,8 @@ def test_bad_requests_get_openais_error_with_the_field(server, client):
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
               400, "messages"),
              ({"messages": [{"role": "tool", "content": "42"}]}, 400, "messages"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400,
+              "response_format"),
              ({"model": "gpt-4"}, 404, "model")]
     for extra, status, param in cases:
         got, body, _ = server.request("POST", "/v1/chat/completions", {"model": "served", "messages": MSGS, **extra})
@@ -100,6 +123,9 @@ def test_bad_requests_get_openais_error_with_the_field(server, client):
     assert err.value.code == "context_length_exceeded" and "context" in err.value.message
     status, body, _ = server.request("POST", "/v1/chat/completions", None)
     assert status == 400
+    plain = client.chat.completions.create(model="served", messages=MSGS, max_tokens=4,
+                                           response_format={"type": "text"})
+    assert plain.choices[0].message.content
 
 
 def test_the_queue_is_bounded_and_a_client_that_leaves_frees_the_engine(server, client):

@@ -17,7 +17,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .requests import ApiError, parse_chat
+from .requests import ApiError, parse_chat, parse_completion
 from .runner import Job, Runner
 
 MAX_BODY = 4 << 20                      # bytes: a conversation, not an upload
@@ -88,6 +88,14 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        return await answer(request, parse_chat, False)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, parse_completion, True)
+
+    async def answer(request: Request, parse, text: bool):
+        """A chat completion, or (`text`) a plain-text completion of a prompt."""
         t0 = time.monotonic()
         try:
             raw = await request.body()
@@ -97,7 +105,7 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
                 body = json.loads(raw)
             except ValueError as exc:
                 raise ApiError(400, f"the request body is not JSON ({exc})") from None
-            req = parse_chat(body)
+            req = parse(body)
             if req.model not in names:
                 raise ApiError(404, f"model {req.model!r} is not served here; GET /v1/models lists {model_id!r}",
                                param="model", code="model_not_found")
@@ -107,7 +115,7 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
         except ApiError as exc:
             _log(exc.status, request.url.path, t0, note=exc.message)
             return _error(exc)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        cid, created = f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         profile = runner.engine.plan.chosen if runner.engine is not None and runner.engine.plan else None
         if req.stream:
             # Headers wait for the answer's first event: a request refused in the queue (or a
@@ -120,9 +128,9 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
             if first[0] == "error":
                 _log(first[1].status, request.url.path, t0, note=first[1].message)
                 return _error(first[1])
-            return StreamingResponse(_stream(job, first, cid, created, model_id, profile, request, t0),
+            return StreamingResponse(_stream(job, first, cid, created, model_id, profile, request, t0, text),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(job, cid, created, model_id, profile, request, t0)
+        return await _whole(job, cid, created, model_id, profile, request, t0, text)
 
     return app
 
@@ -137,7 +145,7 @@ async def _next(job: Job, request: Request):
                 job.cancelled.set()
 
 
-async def _whole(job, cid, created, model, profile, request, t0):
+async def _whole(job, cid, created, model, profile, request, t0, text: bool = False):
     parts = []
     try:
         while True:
@@ -157,9 +165,10 @@ async def _whole(job, cid, created, model, profile, request, t0):
         return JSONResponse({}, status_code=499)
     stats = value["stats"]
     _log(200, request.url.path, t0, stats)
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                         "finish_reason": value["finish_reason"], "logprobs": None}],
+    choice = ({"text": "".join(parts)} if text else {"message": {"role": "assistant", "content": "".join(parts)}})
+    return {"id": cid, "object": "text_completion" if text else "chat.completion", "created": created,
+            "model": model, "choices": [{"index": 0, **choice, "finish_reason": value["finish_reason"],
+                                         "logprobs": None}],
             "usage": usage(stats), "timings": timings(stats, profile)}
 
 
@@ -167,13 +176,17 @@ def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-async def _stream(job, first, cid, created, model, profile, request, t0):
+async def _stream(job, first, cid, created, model, profile, request, t0, text: bool = False):
+    kind_of = "text_completion" if text else "chat.completion.chunk"
+
     def chunk(delta: dict, finish=None, **more):
-        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **more})
+        part = {"text": delta.get("content", "")} if text else {"delta": delta}
+        return _sse({"id": cid, "object": kind_of, "created": created, "model": model,
+                     "choices": [{"index": 0, **part, "finish_reason": finish, "logprobs": None}], **more})
     done = False
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        if not text:
+            yield chunk({"role": "assistant", "content": ""})
         while True:
             kind, value = first if first is not None else await _next(job, request)
             first = None
@@ -188,7 +201,7 @@ async def _stream(job, first, cid, created, model, profile, request, t0):
                 if value is not None:
                     yield chunk({}, value["finish_reason"], timings=timings(stats, profile))
                     if job.request.include_usage:
-                        yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                        yield _sse({"id": cid, "object": kind_of, "created": created,
                                     "model": model, "choices": [], "usage": usage(stats)})
                 _log(200, request.url.path, t0, stats, "streamed")
                 break

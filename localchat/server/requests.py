@@ -37,6 +37,7 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    prompt: str | None = None        # /v1/completions: plain text to continue (messages unused)
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -114,6 +115,39 @@ def _stop(body: dict) -> list[str]:
 
 
 def parse_chat(body) -> ChatRequest:
+    _common(body)
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise _bad(name, "tool calls are not supported by this server")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        # refused rather than ignored: a 200 whose answer breaks the asked-for schema is worse
+        raise _bad("response_format", "only {\"type\": \"text\"}: JSON output is not enforced by this server yet")
+    return _request(body, messages=_messages(body))
+
+
+def parse_completion(body) -> ChatRequest:
+    """POST /v1/completions: `prompt` (a string, or a list holding one) continued as plain
+    text. OpenAI's default of 16 tokens applies where max_tokens is not given."""
+    _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise _bad("prompt", "one prompt per request is supported")
+    if not isinstance(prompt, str) or not prompt:
+        raise _bad("prompt", "required: the text to continue")
+    for name in ("suffix", "echo"):
+        if body.get(name):
+            raise _bad(name, "not supported")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("best_of", "only 1 is supported")
+    req = _request(body, messages=[], prompt=prompt)
+    req.max_tokens = req.max_tokens or 16
+    return req
+
+
+def _common(body) -> None:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -121,9 +155,9 @@ def parse_chat(body) -> ChatRequest:
         raise _bad("model", "required: one of GET /v1/models")
     if body.get("n") not in (None, 1):
         raise _bad("n", "only 1 answer per request is supported")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise _bad(name, "tool calls are not supported by this server")
+
+
+def _request(body: dict, messages: list[dict], prompt: str | None = None) -> ChatRequest:
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise _bad(name, "not supported (only 0): speculative decoding keeps the model's own distribution")
@@ -138,7 +172,7 @@ def parse_chat(body) -> ChatRequest:
     max_tokens = _number(body, "max_completion_tokens", None, 1, 1 << 30, integer=True)
     max_tokens = _number(body, "max_tokens", max_tokens, 1, 1 << 30, integer=True)
     return ChatRequest(
-        model=model, messages=_messages(body), max_tokens=max_tokens,
+        model=body["model"], messages=messages, prompt=prompt, max_tokens=max_tokens,
         temperature=float(_number(body, "temperature", 0.0, 0, 2)),
         top_p=float(_number(body, "top_p", 1.0, 0, 1)) or _raise(_bad("top_p", "must be above 0")),
         top_k=_number(body, "top_k", 0, 0, 1 << 20, integer=True),

@@ -111,14 +111,18 @@ class Runner:
         import engine
         r, chat = job.request, self._chat
         t0 = time.monotonic()
+        sampling = dict(max_new_tokens=r.max_tokens or self.default_max_tokens, temperature=r.temperature,
+                        top_p=r.top_p, top_k=r.top_k, seed=None if r.seed is None else r.seed % (1 << 63))
         try:
-            chat.restore(r.messages[:-1])
-            events = chat.send(r.messages[-1]["content"], max_new_tokens=r.max_tokens or self.default_max_tokens,
-                               temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                               seed=None if r.seed is None else r.seed % (1 << 63))
+            if r.prompt is not None:                     # /v1/completions: plain text, no template
+                events = chat.complete(r.prompt, **sampling)
+            else:
+                chat.restore(r.messages[:-1])
+                events = chat.send(r.messages[-1]["content"], **sampling)
         except engine.BadRequest as exc:
             code = "context_length_exceeded" if "context" in str(exc) else None
-            job.push(("error", ApiError(400, str(exc), param="messages", code=code)))
+            job.push(("error", ApiError(400, str(exc), param="messages" if r.prompt is None else "prompt",
+                                        code=code)))
             return
         watch = StopWatch(r.stop)
         reason = None
