@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "`localchat setup` picks and fetches a model for this machine; `localchat doctor` shows the hardware and the memory plan; "
                     "`localchat bench --help` measures speculative decoding on this machine; "
                     "`localchat history` lists, shows and exports saved conversations; "
+                    "`localchat models` lists, pulls and removes models and the caches derived from them; "
                     "`localchat serve` serves the model over an OpenAI-compatible API.",
         epilog="examples:  localchat   |   localchat \"Why is the sky blue?\"   |   "
                "echo \"Summarise this\" | localchat --stats")
@@ -63,6 +64,9 @@ def run(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "serve":
         from .serve_cli import serve_main
         return serve_main(argv[1:])
+    if argv and argv[0] == "models":
+        from .models_cli import models_main
+        return models_main(argv[1:])
     if argv and argv[0] == "history":
         from .history_cli import history_main
         return history_main(argv[1:])
