@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 
@@ -74,6 +75,9 @@ def serve_main(argv: list[str]) -> int:
           f"loading (GET /health)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
+    # uvicorn stops gracefully on SIGTERM, then raises it again for the handler before it: a
+    # KeyboardInterrupt here, so SIGTERM (a service manager, `kill`) ends as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -84,6 +88,10 @@ def serve_main(argv: list[str]) -> int:
     # The engine thread may be inside an answer: leave without tearing it down.
     sys.stderr.flush()
     os._exit(EXIT_OK)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _model_id(model: str | None) -> str:
