@@ -27,9 +27,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The suite beside a process that keeps a core busy: no test may depend on a quiet machine.
-# The busy loop is stopped by its pid however pytest ends; the exit status is pytest's.
+# The busy loop is stopped by its pid however pytest or make ends; the exit status is pytest's.
 test-busy: $(STAMP)
-	@$(BIN)/python -c "while True: pass" & busy=$$!; trap 'kill $$busy' EXIT; \
+	@$(BIN)/python -c "while True: pass" & busy=$$!; trap 'kill $$busy' EXIT; trap 'exit 143' INT TERM; \
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Benchmarks take minutes and want an idle machine; they write benchmarks/results/*.json.
