@@ -102,6 +102,7 @@ class LlamaFamilyForward(rows.KernelPasses):
     # A forward whose weights come and go (streamed): each layer's step in the same C
     # call, one layer at a time, so its bits are the whole stack's.
     _one: layer_kernel.LayerStack | None = None
+    _one_fits: bool | None = None      # whether its layers' views are laid out as layer.c reads them (one layout)
     layer_kernel_note = "the weights are not held by this forward"
     def __init__(self, model, cache: KVCache):
         inner = model.model
@@ -275,8 +276,9 @@ class LlamaFamilyForward(rows.KernelPasses):
         else:
             one = self._one if self._row_kernel(T) and not torch.compiler.is_compiling() else None
             for i, w in enumerate(self.iter_layers()):
-                if one is not None and not layer_kernel.why_not_weights([w], self.cache.dtype) \
-                        and one.layer(self.cache, i, w, h, pos, cos[0], sin[0]):
+                if one is not None and self._one_fits is None:     # every slot's views share one layout
+                    self._one_fits = not layer_kernel.why_not_weights([w], self.cache.dtype)
+                if one is not None and self._one_fits and one.layer(self.cache, i, w, h, pos, cos[0], sin[0]):
                     continue
                 h = self._layer(i, w, h, pos, cos, sin, mask, causal, rowwise)
         if not all_logits:
