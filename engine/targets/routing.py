@@ -56,8 +56,8 @@ class Routing:
         return 1.0 - hits / total
 
 
-def _file(cache_root: Path, model: Path) -> Path:
-    key = hashlib.sha256(source_identity(model).encode()).hexdigest()[:24]
+def _file(cache_root: Path, model: Path, source: str | None = None) -> Path:
+    key = hashlib.sha256((source or source_identity(model)).encode()).hexdigest()[:24]
     return cache_root / "routing" / f"{key}.json"
 
 
@@ -65,8 +65,9 @@ def cached(cache_root: Path, model: Path) -> Routing | None:
     """The counts measured for this model's weights, or None (never measured, another
     version of the weights, an unreadable file)."""
     try:
-        data = json.loads(_file(cache_root, model).read_text())
-        if data.get("version") != VERSION or data.get("source") != source_identity(model):
+        source = source_identity(model)
+        data = json.loads(_file(cache_root, model, source).read_text())
+        if data.get("version") != VERSION or data.get("source") != source:
             return None
         counts = tuple(tuple(int(c) for c in row) for row in data["counts"])
         return Routing(counts, int(data["tokens"]))
