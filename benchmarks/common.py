@@ -8,6 +8,7 @@ import statistics
 import time
 from pathlib import Path
 
+import engine.openmp  # noqa: F401  (before torch loads libgomp: the spin localchat runs with)
 import torch
 
 

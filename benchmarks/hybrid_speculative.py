@@ -26,12 +26,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
+import engine.openmp  # noqa: E402,F401  (before torch loads libgomp: the spin localchat runs with)
+import torch  # noqa: E402
 
 import engine  # noqa: E402
 from common import machine, median, write_json  # noqa: E402

@@ -30,10 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine.openmp  # noqa: E402,F401  (before torch loads libgomp: the spin localchat runs with)
+import torch  # noqa: E402
 
 import engine  # noqa: E402
 from common import machine, median, read_bandwidth, write_json  # noqa: E402

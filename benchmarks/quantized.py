@@ -13,11 +13,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import engine.openmp  # noqa: E402,F401  (before torch loads libgomp: the spin localchat runs with)
+import torch  # noqa: E402
 
 import engine  # noqa: E402
 from common import machine, write_json  # noqa: E402

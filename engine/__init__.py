@@ -8,18 +8,43 @@ yields events. This module is the public API; each part lives in a file named fo
     for event in chat.send("Why is the sky blue?", max_new_tokens=256):
         ...                                   # TextDelta | Stats | Done
     chat.cancel()                             # from another thread
+
+The names below are imported when first used, so that `import engine.openmp` (which must
+run before torch is imported) does not import torch.
 """
 from __future__ import annotations
 
-from .drafters import ModelDrafter, NgramDrafter, NoDrafter
-from .engine import Engine
-from .errors import (BadRequest, BadWeights, CheckpointError, ContextFull, EngineError, ModelNotFound,
-                     UnsupportedModel)
-from .events import Done, Stats, TextDelta
-from .loading import RUNNABLE, measured_routing, open, quant_act_dtype, runnable
-from .sampling import SamplingParams
-from .session import Chat
+import importlib
+
+from . import openmp  # noqa: F401
+
+_WHERE = {"ModelDrafter": "drafters", "NgramDrafter": "drafters", "NoDrafter": "drafters",
+          "Engine": "engine",
+          "BadRequest": "errors", "BadWeights": "errors", "CheckpointError": "errors", "ContextFull": "errors",
+          "EngineError": "errors", "ModelNotFound": "errors", "UnsupportedModel": "errors",
+          "Done": "events", "Stats": "events", "TextDelta": "events",
+          "RUNNABLE": "loading", "measured_routing": "loading", "open": "loading",
+          "quant_act_dtype": "loading", "runnable": "loading",
+          "SamplingParams": "sampling", "Chat": "session"}
 
 __all__ = ["open", "Engine", "Chat", "TextDelta", "Stats", "Done", "SamplingParams", "EngineError",
            "BadRequest", "BadWeights", "CheckpointError", "ContextFull", "ModelNotFound", "UnsupportedModel",
            "NoDrafter", "NgramDrafter", "ModelDrafter", "RUNNABLE", "runnable", "quant_act_dtype", "measured_routing"]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

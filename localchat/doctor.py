@@ -297,6 +297,8 @@ def _kernel_text() -> str:
         why = st[name]
         lines.append(f"{name.capitalize()} kernel: {ready_text}" if not why
                      else f"{name.capitalize()} kernel: not used, {why}; {instead} instead")
+    from engine import openmp
+    lines.append(openmp.describe())
     return "\n".join(lines)
 
 

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+import engine.openmp  # noqa: F401  (before tiny imports torch: the spin setting the CLI gets)
+
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import build_model, build_tokenizer  # noqa: E402
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from engine import bandwidth, planner
+from engine import bandwidth, openmp, planner
 
 
 def run_doctor(*args, env=None):
@@ -41,12 +41,15 @@ def test_doctor_bounds_are_bytes_over_the_measured_rate(tiny_llama):
     assert 0 < exact["weights"] - exact["read_per_token"] < exact["weights"] / 2
     text = run_doctor("--model", str(tiny_llama)).stdout.decode()
     assert "Memory read rate:" in text and "measured" in text
+    # the CLI sets libgomp's spin before anything imports torch (engine/openmp.py, benchmarks/busy.py)
+    assert f"Idle threads: spin {openmp.SPIN} times, then sleep" in text
 
 
 def test_doctor_plans_a_catalog_model_that_is_not_downloaded():
-    proc = run_doctor("--model", "Qwen/Qwen3-14B", "--vram", "8GiB")
+    proc = run_doctor("--model", "Qwen/Qwen3-14B", "--vram", "8GiB", env={"GOMP_SPINCOUNT": "5"})
     out = proc.stdout.decode()
     assert proc.returncode == 0, proc.stderr
+    assert "Idle threads: as set in the environment (GOMP_SPINCOUNT=5)" in out    # the user's own is kept
     assert "built-in catalog" in out and "14768.3 M parameters" in out and "streamed-exact" in out
     proc = run_doctor("--model", "nobody/not-in-the-catalog")
     assert proc.returncode == 2 and b"nobody/not-in-the-catalog" in proc.stderr

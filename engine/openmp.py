@@ -1,0 +1,37 @@
+"""How long an idle OpenMP thread spins before it sleeps: set before torch is imported.
+
+torch's CPU operations and our kernels share one libgomp, whose threads spin about 300,000
+times at the end of every parallel region before they sleep. On a quiet machine that saves a
+wake-up per region. When another process holds a core, it turns a pass into a stall: the
+thread that finished first keeps its core spinning, the other waits its turn behind the other
+process, and every region waits a scheduler time slice. On 2 cores with one busy-loop beside
+it, the demo model decoded at 1 tok/s instead of 80 (benchmarks/busy.py). A short spin keeps
+most of the quiet speed and loses a few-fold, not eighty-fold, beside a busy core.
+
+libgomp reads the setting once, when it is loaded (by `import torch`), so it only takes
+effect if this module runs first; `effective` says whether it did. A GOMP_SPINCOUNT or
+OMP_WAIT_POLICY of the user's own is left alone."""
+from __future__ import annotations
+
+import os
+import sys
+
+SPIN = "1000"
+
+# a child process inherits our own value: that is not the user's
+user_set = os.environ.get("GOMP_SPINCOUNT", SPIN) != SPIN or "OMP_WAIT_POLICY" in os.environ
+effective = "torch" not in sys.modules
+if not user_set:
+    os.environ["GOMP_SPINCOUNT"] = SPIN
+
+
+def describe() -> str:
+    """One sentence for `doctor`."""
+    if user_set:
+        mine = ", ".join(f"{k}={os.environ[k]}" for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ)
+        return f"Idle threads: as set in the environment ({mine})"
+    if not effective:
+        return ("Idle threads: libgomp's default long spin (torch was imported before the engine, so "
+                "GOMP_SPINCOUNT could not be set); a busy core beside it slows every pass")
+    return (f"Idle threads: spin {SPIN} times, then sleep (GOMP_SPINCOUNT): a core busy with something "
+            "else slows a pass a few-fold, not eighty-fold")
