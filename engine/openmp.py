@@ -5,8 +5,10 @@ times at the end of every parallel region before they sleep. On a quiet machine 
 wake-up per region. When another process holds a core, it turns a pass into a stall: the
 thread that finished first keeps its core spinning, the other waits its turn behind the other
 process, and every region waits a scheduler time slice. On 2 cores with one busy-loop beside
-it, the demo model decoded at 1 tok/s instead of 80 (benchmarks/busy.py). A short spin keeps
-most of the quiet speed and loses a few-fold, not eighty-fold, beside a busy core.
+it, the demo model decoded at 6 tok/s instead of 87 (benchmarks/busy.py). The shorter the
+spin, the less a busy core costs, and the more a quiet machine pays in wake-ups: on the
+2-core VM, 10,000 kept quiet decode (prefill 6% slower) and tripled decode beside a busy
+core; 1,000 gave 7x beside it but 10% slower decode and 30% slower prefill when quiet.
 
 libgomp reads the setting once, when it is loaded (by `import torch`), so it only takes
 effect if this module runs first; `effective` says whether it did. A GOMP_SPINCOUNT or
@@ -16,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-SPIN = "1000"
+SPIN = "10000"
 
 # a child process inherits our own value: that is not the user's
 user_set = os.environ.get("GOMP_SPINCOUNT", SPIN) != SPIN or "OMP_WAIT_POLICY" in os.environ
@@ -33,5 +35,5 @@ def describe() -> str:
     if not effective:
         return ("Idle threads: libgomp's default long spin (torch was imported before the engine, so "
                 "GOMP_SPINCOUNT could not be set); a busy core beside it slows every pass")
-    return (f"Idle threads: spin {SPIN} times, then sleep (GOMP_SPINCOUNT): a core busy with something "
-            "else slows a pass a few-fold, not eighty-fold")
+    return (f"Idle threads: spin {SPIN} times, then sleep (GOMP_SPINCOUNT; libgomp's own 300,000 "
+            "stalls every pass when another process keeps a core busy)")
