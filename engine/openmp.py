@@ -5,10 +5,11 @@ times at the end of every parallel region before they sleep. On a quiet machine 
 wake-up per region. When another process holds a core, it turns a pass into a stall: the
 thread that finished first keeps its core spinning, the other waits its turn behind the other
 process, and every region waits a scheduler time slice. On 2 cores with one busy-loop beside
-it, the demo model decoded at 6 tok/s instead of 87 (benchmarks/busy.py). The shorter the
-spin, the less a busy core costs, and the more a quiet machine pays in wake-ups: on the
-2-core VM, 10,000 kept quiet decode (prefill 6% slower) and tripled decode beside a busy
-core; 1,000 gave 7x beside it but 10% slower decode and 30% slower prefill when quiet.
+it, the demo model decoded at 6-10 tok/s instead of 93 (benchmarks/busy.py). The shorter
+the spin, the less a busy core costs, and the more a quiet machine pays in wake-ups: on the
+2-core VM, 10,000 kept quiet decode within 1% (prefill 3% slower) and doubled decode beside
+a busy core; 1,000 gave 4-6x beside it but 10% slower decode and 30% slower prefill when
+quiet.
 
 libgomp reads the setting once, when it is loaded (by `import torch`), so it only takes
 effect if this module runs first; `effective` says whether it did. A GOMP_SPINCOUNT or
