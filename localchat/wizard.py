@@ -22,7 +22,7 @@ from engine import RUNNABLE   # the profiles this engine has targets for: only t
 
 from .argparsing import Parser
 from . import catalog, hub
-from .hub import cached
+from .hub import cached, fetch, is_local, offline
 from . import config as config_mod
 from .common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error
 from .format import human_bytes
@@ -124,12 +124,6 @@ def format_options(options: list[Option], rec: Option) -> str:
 
 # ---------------------------------------------------------------- downloads
 
-def is_local(name: str) -> bool:
-    return Path(name).expanduser().exists()
-
-
-def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def remote_size(repo: str) -> int | None:
@@ -137,34 +131,12 @@ def remote_size(repo: str) -> int | None:
     if offline():
         return None
     try:
-        import fnmatch
         from huggingface_hub import HfApi
-        from engine.checkpoint import HUB_PATTERNS
+        from engine.download import wanted
         info = HfApi().model_info(repo, files_metadata=True, timeout=10)
-        return sum(s.size or 0 for s in info.siblings or []
-                   if any(fnmatch.fnmatch(s.rfilename, p) for p in HUB_PATTERNS))
+        return sum(s.size or 0 for s in info.siblings or [] if wanted(s.rfilename))
     except Exception:
         return None
-
-
-def fetch(name: str) -> Path:
-    """A local model is validated; a hub repo comes from the cache or is downloaded
-    (huggingface_hub resumes a partial download). Raises engine.ModelNotFound offline."""
-    from engine import checkpoint
-    from engine.errors import ModelNotFound
-    if is_local(name):
-        return checkpoint.resolve(name).path
-    hit = cached(name)
-    if hit:
-        return hit
-    if offline():
-        raise ModelNotFound(f"{name}: not downloaded yet and HF_HUB_OFFLINE is set (offline)")
-    try:
-        from huggingface_hub.utils import enable_progress_bars
-        enable_progress_bars()
-    except Exception:
-        pass
-    return checkpoint.download(name)
 
 
 # ---------------------------------------------------------------- the wizard
