@@ -31,6 +31,7 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "
 ATTEMPTS = 4          # per file, and for the file list
 BACKOFF = 1.0         # seconds before the second attempt, doubled before each next one
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+LISTING = "its file list"
 
 Progress = Callable[[int, int], None]      # (bytes done, bytes in all), whole model
 
@@ -72,7 +73,7 @@ def download(repo_id: str, revision: str | None = None, progress: Progress | Non
         if constants.HF_HUB_OFFLINE or _truthy(os.environ.get("HF_HUB_OFFLINE")):   # set after import, too
             raise OfflineModeIsEnabled()
         info = _retrying(lambda: HfApi().model_info(repo_id, revision=revision, files_metadata=True),
-                         repo_id, "its file list", attempts, backoff)
+                         repo_id, LISTING, attempts, backoff)
     except OfflineModeIsEnabled:
         hit = cached(repo_id, revision)
         if hit is None:
@@ -263,9 +264,10 @@ def _retrying(call, repo_id: str, what: str, attempts: int, backoff: float):
                 raise DownloadFailed(f"{repo_id}: fetching {what} failed ({exc})") from None
             reason = "the file arrived short"
         if attempt == attempts:
-            raise DownloadFailed(f"{repo_id}: fetching {what} failed {attempts} times ({reason}); what arrived "
-                                 f"is kept in {cache_root()} and the next try resumes it; check the network "
-                                 "or HF_ENDPOINT") from None
+            kept = (f"; what arrived is kept in {cache_root()} and the next try resumes it"
+                    if what != LISTING else "")
+            raise DownloadFailed(f"{repo_id}: fetching {what} failed {attempts} times ({reason}){kept}; "
+                                 "check the network (or HF_ENDPOINT, for a mirror)") from None
         time.sleep(wait)
         wait *= 2
 

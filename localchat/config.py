@@ -172,10 +172,14 @@ def save(settings: Settings, path: Path | None = None, keys: tuple[str, ...] | N
                 existing.pop(f.name, None)
             else:
                 existing[f.name] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(_dump(existing), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(_dump(existing), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"{path.parent}: cannot write the config file there ({exc.strerror or exc}); "
+                          "set LOCALCHAT_CONFIG_DIR to a writable directory") from None
     return path
 
 

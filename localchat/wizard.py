@@ -372,7 +372,7 @@ def setup_main(argv: list[str]) -> int:
     try:
         return run_wizard(hw, profs, ask, print, answers, context=args.context, bandwidth=read, usable_tps=usable,
                           build_kernels=None if args.no_build else _build_kernels)
-    except EngineError as exc:
+    except (EngineError, config_mod.ConfigError) as exc:
         error(str(exc))
         return EXIT_USAGE
 

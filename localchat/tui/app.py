@@ -206,9 +206,8 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStream
             return
         try:
             config.save(self.settings, keys=keys)
-        except OSError as exc:
-            self.notify(f"{config.config_path()}: cannot save the settings ({exc.strerror or exc})",
-                        severity="error")
+        except config.ConfigError as exc:
+            self.notify(str(exc), severity="error")
 
     async def report_store_problem(self) -> None:
         """Show a history failure once, as a line in the conversation (the chat goes on)."""
