@@ -131,8 +131,10 @@ def open_engine(settings: config_mod.Settings, progress=None, api_key: str | Non
         from . import remote
         return remote.RemoteEngine(settings.backend, settings.backend_model, remote.api_key(api_key))
     from . import hub
-    if progress is None and hub.is_repo_id(settings.model) and hub.cached(settings.model) is None:
-        hub.fetch(settings.model)        # one download line on stderr, then the engine finds it in the cache
+    if hub.is_repo_id(settings.model) and hub.cached(settings.model) is None:
+        # fetched first, so the download shows: one stderr line, or the TUI's loading line
+        hub.fetch(settings.model, progress=None if progress is None else
+                  (lambda done, total: progress("downloaded", done, total)))
     import engine
     eng = engine.open(settings.model, device=settings.device, dtype=settings.dtype, drafter=settings.drafter,
                       draft_model=settings.draft_model, draft_tokens=settings.draft_tokens,

@@ -53,9 +53,10 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def fetch(name: str, check_hub: bool = False) -> Path:
+def fetch(name: str, check_hub: bool = False, progress=None) -> Path:
     """A local model is validated; a hub repo comes from the cache or is downloaded with one
-    progress line (a partial download resumes). Raises engine.ModelNotFound offline."""
+    progress line on stderr, or `progress(done, total)` (a partial download resumes). Raises
+    engine.ModelNotFound offline."""
     from engine import checkpoint
     from engine.errors import ModelNotFound
     from .download_bar import DownloadBar
@@ -66,6 +67,8 @@ def fetch(name: str, check_hub: bool = False) -> Path:
         return hit
     if offline():
         raise ModelNotFound(f"{name}: not downloaded yet and HF_HUB_OFFLINE is set (offline)")
+    if progress is not None:
+        return checkpoint.download(name, progress=progress, check_hub=check_hub)
     bar = DownloadBar(name)
     try:
         return checkpoint.download(name, progress=bar, check_hub=check_hub)

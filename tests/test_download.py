@@ -175,3 +175,21 @@ def test_offline_a_cached_model_is_used_and_a_missing_one_is_one_line(server, tm
 def test_a_repo_the_hub_does_not_have_is_one_line(server, tmp_path):
     err = one_line_error(pull(env_for(server, tmp_path), repo="tiny-org/nothing-here"))
     assert "tiny-org/nothing-here" in err and "no such model" in err
+
+
+def test_the_chat_ui_path_hears_the_download_as_loading_progress(server, tmp_path):
+    """What the TUI's loader calls (common.open_engine with its progress callback), in a
+    process of its own so HF_ENDPOINT is read as a user's would be."""
+    code = ("import sys; from localchat import common, config\n"
+            "seen = []\n"
+            "eng = common.open_engine(config.Settings(model=sys.argv[1], drafter='none'),\n"
+            "                         progress=lambda what, done, total: seen.append((what, done, total)))\n"
+            "got = [s for s in seen if s[0] == 'downloaded']\n"
+            "print(len(got), got[-1][1], got[-1][2], eng.describe()['profile'])\n")
+    proc = subprocess.run([sys.executable, "-c", code, REPO], env=env_for(server, tmp_path),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    n, done, total, profile = proc.stdout.split()
+    size = sum(len(f.data) for f in server.hub.repos[REPO])
+    assert int(n) >= 2 and int(done) == int(total) == size
+    assert proc.stderr.count("downloading ") == 0               # no stderr bar under the UI
