@@ -6,9 +6,12 @@ from dataclasses import dataclass, field, asdict
 
 @dataclass(frozen=True)
 class TextDelta:
-    """New answer text. The concatenation of all deltas of an answer equals
-    `tokenizer.decode(answer_ids, skip_special_tokens=True)`."""
+    """New text. For a model without reasoning blocks, the concatenation of all deltas of an
+    answer equals `tokenizer.decode(answer_ids, skip_special_tokens=True)`. A thinking
+    model's reasoning comes as deltas with `reasoning` set (engine/reasoning.py): those
+    concatenated are Done.reasoning, the others Done.text, and the tags are in neither."""
     text: str
+    reasoning: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,3 +59,4 @@ class Done:
     text: str = ""
     error: str = ""
     bad_weights: bool = False       # the error is the checkpoint's (non-finite weights): nothing to retry
+    reasoning: str = ""             # a thinking model's reasoning, apart from `text` (the answer)

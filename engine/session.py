@@ -18,6 +18,7 @@ from .cache import common_prefix
 from .detokenize import IncrementalDecoder
 from .checkpoint import nonfinite_reason
 from .errors import BadRequest, BadWeights, EngineError
+from . import reasoning
 from .events import Done, Stats, TextDelta
 from .sampling import SamplingParams, make_generator
 from .stats import StatsTracker
@@ -25,23 +26,39 @@ from .stats import StatsTracker
 _FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
-def render_text(tokenizer, messages: list[dict]) -> tuple[str, bool]:
+def render_text(tokenizer, messages: list[dict], thinking: bool | None = None) -> tuple[str, bool]:
     """The conversation as text, ending where the assistant's answer begins, and whether
-    the tokenizer should add its own special tokens (only for the no-template fallback)."""
+    the tokenizer should add its own special tokens (only for the no-template fallback).
+    `thinking`: the template's `enable_thinking` (None: the template's default)."""
     if getattr(tokenizer, "chat_template", None):
+        extra = {} if thinking is None else {"enable_thinking": thinking}
         try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **extra), False
         except Exception as exc:
             if messages and messages[0]["role"] == "system":
                 # Some templates refuse a system role: fold it into the first user message.
                 system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
                 if rest:
                     rest[0]["content"] = f"{system}\n\n{rest[0]['content']}"
-                return render_text(tokenizer, rest)
+                return render_text(tokenizer, rest, thinking)
             raise BadRequest(f"the model's chat template failed: {exc}") from None
     # A base model without a template: a plain transcript it can continue.
     text = "".join(f"{_FALLBACK_ROLES.get(m['role'], m['role'])}: {m['content']}\n\n" for m in messages)
     return text + "Assistant:", True
+
+
+def _deltas(splitter, text: str, last: bool = False):
+    """TextDelta events for newly decoded `text`: as it is, or split into reasoning and answer."""
+    if splitter is None:
+        if text:
+            yield TextDelta(text)
+        return
+    pieces = splitter.push(text) if text else []
+    if last:
+        pieces += splitter.flush()
+    for is_reasoning, piece in pieces:
+        yield TextDelta(piece, is_reasoning)
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -94,6 +111,8 @@ class Chat(Messages):
         self._turn_ids: list[int] = []
         self.last_stats: Stats | None = None
         self.last_done: Done | None = None
+        # a thinking model's `enable_thinking` for its template; None: the template's default
+        self.thinking: bool | None = None
         self._cancel = threading.Event()
         # Acceptance and pass costs are measured per chat: they depend on the text.
         self.controller = engine.new_controller()
@@ -106,7 +125,7 @@ class Chat(Messages):
     def _prompt(self) -> tuple[list[int], str]:
         """Token ids and text of the conversation up to the answer about to be written."""
         tok = self.engine.tokenizer
-        text, special = render_text(tok, self.messages[:-1])
+        text, special = render_text(tok, self.messages[:-1], self.thinking)
         if self._turn_text and text.startswith(self._turn_text):
             return self._turn_ids + encode(tok, text[len(self._turn_text):]), text
         return encode(tok, text, special), text
@@ -159,14 +178,19 @@ class Chat(Messages):
 
     def _completion(self, params, max_new_tokens: int, ids: list[int], prompt: str) -> Iterator:
         try:
-            yield from self._answer({"role": "assistant", "content": ""}, params, max_new_tokens, (ids, prompt))
+            yield from self._answer({"role": "assistant", "content": ""}, params, max_new_tokens, (ids, prompt),
+                                    split=False)
         finally:
             self._turn_text, self._turn_ids = "", []       # a chat turn after it renders afresh
 
     def _answer(self, answer: dict, params: SamplingParams, max_new_tokens: int,
-                rendered: tuple[list[int], str]) -> Iterator:
+                rendered: tuple[list[int], str], split: bool = True) -> Iterator:
         eng, target = self.engine, self.engine.target
         detok = IncrementalDecoder(eng.tokenizer)
+        # the conversation's content keeps the model's text whole (its template splits
+        # reasoning off past turns); the deltas and Done carry the two apart
+        splitter = (reasoning.Splitter(reasoning.open_at_end(rendered[1]))
+                    if split and reasoning.thinks(eng.tokenizer) else None)
         generated: list[int] = []
         reason, error, bad_weights = "length", "", False
         tracker = None
@@ -211,7 +235,7 @@ class Chat(Messages):
                     delta = detok.push(shown) if shown else ""
                     if delta:
                         answer["content"] += delta
-                        yield TextDelta(delta)
+                        yield from _deltas(splitter, delta)
                     if tokens[-1] in eng.stop_ids:
                         reason = "stop"
                     if tracker.due():
@@ -232,6 +256,7 @@ class Chat(Messages):
             tail = detok.flush()
             if tail:
                 answer["content"] += tail
+            tail_deltas = list(_deltas(splitter, tail, last=True))
             if self.engine.cache_owner is self:
                 # A pass that failed midway committed nothing: keep the bookkeeping honest.
                 self.cached_ids = self.cached_ids[:target.cache.length]
@@ -243,8 +268,9 @@ class Chat(Messages):
                     kept.pop()   # the template writes its own end-of-turn after the answer
                 self._turn_text = prompt_text + answer["content"]
                 self._turn_ids = prompt + kept
-            self.last_done = Done(reason, tuple(generated), answer["content"], error, bad_weights)
-        if tail:
-            yield TextDelta(tail)
+            text, thought = ((splitter.answer, splitter.reasoning.strip()) if splitter is not None
+                             else (answer["content"], ""))
+            self.last_done = Done(reason, tuple(generated), text, error, bad_weights, thought)
+        yield from tail_deltas
         yield self.last_stats if self.last_stats else Stats()
         yield self.last_done

@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="save nothing: neither this one-shot prompt nor, in the chat UI, this session")
     conv.add_argument("--data-dir", metavar="DIR", help="where history.db lives (default: the user data dir)")
     p.add_argument("--stats", action="store_true", help="print one line of statistics on stderr")
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="thinking", action="store_const", const=True, default=None,
+                       help="a thinking model reasons before it answers (its template's enable_thinking)")
+    think.add_argument("--no-think", dest="thinking", action="store_const", const=False,
+                       help="a thinking model answers at once")
+    p.add_argument("--show-thinking", action="store_true",
+                   help="one-shot: print the reasoning too (dimmed on a terminal), not only the answer")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token ids, finish reason, stats) instead of text")
     p.add_argument("--version", action="version", version=f"localchat {__version__}")

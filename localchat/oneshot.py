@@ -45,6 +45,34 @@ def format_stats(s) -> str:
     return line + f" · peak memory {human_bytes(peak)}"
 
 
+class ThinkingOutput:
+    """With --show-thinking: the reasoning as it comes (dimmed on a terminal), then a blank
+    line, then the answer."""
+
+    DIM, RESET = "\033[2m", "\033[0m"
+
+    def __init__(self, tty: bool):
+        self.tty, self.in_reasoning, self.any_reasoning = tty, False, False
+
+    def reasoning(self, text: str) -> str:
+        start = "" if self.in_reasoning else (self.DIM if self.tty else "")
+        self.in_reasoning = self.any_reasoning = True
+        return start + text
+
+    def end(self) -> str:
+        """What ends an answer that stopped within its reasoning (the terminal's colour back)."""
+        if not self.in_reasoning:
+            return ""
+        self.in_reasoning = False
+        return self.RESET if self.tty else ""
+
+    def answer(self, text: str) -> str:
+        if not self.in_reasoning:
+            return text
+        self.in_reasoning = False
+        return (self.RESET if self.tty else "") + "\n\n" + text
+
+
 class PrefillProgress:
     """With --stats on a terminal: a long prompt's prefill as it runs, on one stderr line
     that the answer's first text replaces."""
@@ -162,6 +190,7 @@ def run_oneshot(args, settings) -> int:
         error(str(exc))
         return EXIT_USAGE
     chat = eng.chat(system=settings.system)
+    chat.thinking = getattr(args, "thinking", None)
     if earlier is not None:
         chat.restore(earlier.engine_messages())        # its own system prompt and turns
     log = OneshotLog.open(not args.no_log, args.data_dir, prompt, eng.name, settings.system,
@@ -170,12 +199,18 @@ def run_oneshot(args, settings) -> int:
     stream = not args.json
     done, stats, wrote_newline = None, None, True
     progress = PrefillProgress(args.stats and sys.stderr.isatty())
+    show_thinking = getattr(args, "show_thinking", False)
+    thinking = ThinkingOutput(show_thinking and out.isatty())
     try:
         for ev in chat.send(prompt, max_new_tokens=settings.max_tokens, temperature=settings.temperature,
                             top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed):
             if isinstance(ev, engine.TextDelta):
-                if stream:
-                    out.write(ev.text)
+                if stream and ev.reasoning and show_thinking:
+                    out.write(thinking.reasoning(ev.text))
+                    out.flush()
+                    wrote_newline = ev.text.endswith("\n")
+                elif stream and not ev.reasoning:
+                    out.write(thinking.answer(ev.text))
                     out.flush()
                     wrote_newline = ev.text.endswith("\n")
             elif isinstance(ev, engine.Stats):
@@ -189,6 +224,8 @@ def run_oneshot(args, settings) -> int:
     except KeyboardInterrupt:
         log.answer(chat.last_done or engine.Done("cancelled", text=partial_answer(chat)), stats)
         # What was generated is already on stdout; end the line and say so.
+        if stream:
+            out.write(thinking.end())
         if stream and not wrote_newline:
             out.write("\n")
             out.flush()
@@ -200,10 +237,14 @@ def run_oneshot(args, settings) -> int:
         sys.stderr.close()
         return EXIT_OK
     progress.clear()
+    if stream:
+        out.write(thinking.end())
     log.answer(done, stats)
     if args.json:
         record = {"model": eng.name, "text": done.text, "token_ids": list(done.token_ids),
                   "finish_reason": done.reason, "stats": stats.as_dict() if stats else {}}
+        if done.reasoning:
+            record["reasoning"] = done.reasoning
         if done.error:
             record["error"] = done.error
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -215,4 +256,7 @@ def run_oneshot(args, settings) -> int:
     if done.reason == "error":
         error(done.error)
         return EXIT_USAGE if done.bad_weights else EXIT_FAIL
+    if done.reasoning and not done.text.strip() and not show_thinking:     # never a silent empty answer
+        error(f"the answer ended within the model's reasoning ({done.reason}, {len(done.token_ids)} tokens); "
+              "raise --max-tokens, pass --no-think, or --show-thinking to see it")
     return EXIT_OK

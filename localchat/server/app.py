@@ -146,12 +146,14 @@ async def _next(job: Job, request: Request):
 
 
 async def _whole(job, cid, created, model, profile, request, t0, text: bool = False):
-    parts = []
+    parts, thought = [], []
     try:
         while True:
             kind, value = await _next(job, request)
             if kind == "text":
                 parts.append(value)
+            elif kind == "reasoning":
+                thought.append(value)
             elif kind == "error":
                 _log(value.status, request.url.path, t0, note=value.message)
                 return _error(value)
@@ -165,7 +167,10 @@ async def _whole(job, cid, created, model, profile, request, t0, text: bool = Fa
         return JSONResponse({}, status_code=499)
     stats = value["stats"]
     _log(200, request.url.path, t0, stats)
-    choice = ({"text": "".join(parts)} if text else {"message": {"role": "assistant", "content": "".join(parts)}})
+    message = {"role": "assistant", "content": "".join(parts)}
+    if thought:         # both names: vLLM and llama-server say reasoning_content, OpenRouter reasoning
+        message["reasoning_content"] = message["reasoning"] = "".join(thought).strip()
+    choice = {"text": "".join(parts)} if text else {"message": message}
     return {"id": cid, "object": "text_completion" if text else "chat.completion", "created": created,
             "model": model, "choices": [{"index": 0, **choice, "finish_reason": value["finish_reason"],
                                          "logprobs": None}],
@@ -192,6 +197,8 @@ async def _stream(job, first, cid, created, model, profile, request, t0, text: b
             first = None
             if kind == "text":
                 yield chunk({"content": value})
+            elif kind == "reasoning":
+                yield chunk({"reasoning_content": value, "reasoning": value})
             elif kind == "error":
                 _log(value.status, request.url.path, t0, note=value.message)
                 yield _sse(value.body())

@@ -38,6 +38,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     prompt: str | None = None        # /v1/completions: plain text to continue (messages unused)
+    thinking: bool | None = None     # chat_template_kwargs.enable_thinking (None: the template's default)
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -171,7 +172,16 @@ def _request(body: dict, messages: list[dict], prompt: str | None = None) -> Cha
         raise _bad("stream_options", "must be an object")
     max_tokens = _number(body, "max_completion_tokens", None, 1, 1 << 30, integer=True)
     max_tokens = _number(body, "max_tokens", max_tokens, 1, 1 << 30, integer=True)
-    return ChatRequest(
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs", "must be an object")
+    unknown = sorted(set(kwargs) - {"enable_thinking"})
+    if unknown:
+        raise _bad("chat_template_kwargs", f"only enable_thinking is supported, not {', '.join(unknown)}")
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise _bad("chat_template_kwargs.enable_thinking", "must be true or false")
+    return ChatRequest(thinking=thinking,
         model=body["model"], messages=messages, prompt=prompt, max_tokens=max_tokens,
         temperature=float(_number(body, "temperature", 0.0, 0, 2)),
         top_p=float(_number(body, "top_p", 1.0, 0, 1)) or _raise(_bad("top_p", "must be above 0")),

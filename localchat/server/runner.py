@@ -118,6 +118,7 @@ class Runner:
                 events = chat.complete(r.prompt, **sampling)
             else:
                 chat.restore(r.messages[:-1])
+                chat.thinking = r.thinking
                 events = chat.send(r.messages[-1]["content"], **sampling)
         except engine.BadRequest as exc:
             code = "context_length_exceeded" if "context" in str(exc) else None
@@ -130,7 +131,9 @@ class Runner:
             for ev in events:
                 if job.cancelled.is_set():
                     chat.cancel()
-                if isinstance(ev, engine.TextDelta):
+                if isinstance(ev, engine.TextDelta) and ev.reasoning:
+                    job.push(("reasoning", ev.text))          # stop sequences watch the answer only
+                elif isinstance(ev, engine.TextDelta):
                     text = watch.push(ev.text)
                     if text:
                         job.push(("text", text))

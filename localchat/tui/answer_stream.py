@@ -13,6 +13,40 @@ from .widgets import AssistantMessage
 FLUSH_SECONDS = 1 / 10      # at most 10 UI updates a second while an answer streams
 
 
+class ReasoningQuote:
+    """A thinking model's reasoning drawn as a Markdown block quote (dimmed, set off by a
+    bar) above its answer: each reasoning line gets "> ", and the answer starts a new block."""
+
+    def __init__(self):
+        self.inside, self.line_start = False, True
+
+    def push(self, text: str, is_reasoning: bool) -> str:
+        if not is_reasoning:
+            if self.inside:
+                self.inside = False
+                return "\n\n" + text
+            return text
+        out = []
+        if not self.inside:
+            self.inside, self.line_start = True, True
+        for ch in text:
+            if self.line_start:
+                out.append("> ")
+                self.line_start = False
+            out.append(ch)
+            if ch == "\n":
+                self.line_start = True
+        return "".join(out)
+
+
+def with_reasoning(done: engine.Done) -> str:
+    """The finished answer as drawn: its reasoning quoted above it, if it had any."""
+    if not done.reasoning:
+        return done.text
+    quote = ReasoningQuote()
+    return quote.push(done.reasoning, True) + quote.push(done.text, False)
+
+
 class AnswerStreaming:
     def _generate(self, events, reply: AssistantMessage, replaces_answer: bool) -> None:
         """On the engine thread: drain the engine's events, hand them to the UI in
@@ -31,13 +65,14 @@ class AnswerStreaming:
 
     def _drain(self, events, reply: AssistantMessage) -> tuple[engine.Stats | None, engine.Done]:
         pending: list[str] = []
+        quote = ReasoningQuote()
         stats = last_stats = None
         done: engine.Done | None = None
         last_flush = 0.0
         try:
             for event in events:
                 if isinstance(event, engine.TextDelta):
-                    pending.append(event.text)
+                    pending.append(quote.push(event.text, event.reasoning))
                 elif isinstance(event, engine.Stats):
                     stats = last_stats = event
                 elif isinstance(event, engine.Done):

@@ -48,7 +48,7 @@ import engine
 from localchat import config
 from localchat.config import Settings
 
-from .answer_stream import AnswerStreaming
+from .answer_stream import AnswerStreaming, with_reasoning
 from .command_handlers import CommandHandlers
 from .commands import SlashCommandProvider, parse
 from .conversation_handlers import ConversationHandlers
@@ -339,7 +339,7 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStream
         if stats is not None:
             self.status_bar.stats = stats
             self.gauges.update(stats)
-        await reply.finish(done.text, done.reason, done.error)
+        await reply.finish(with_reasoning(done), done.reason, done.error)
         self._reply = None
         self.status_bar.activity = ""
         await self.report_store_problem()

@@ -1,0 +1,114 @@
+"""A thinking model's reasoning, told apart from its answer: the splitter on text cut
+anywhere, and the engine, one-shot and serve on a tiny random model whose template opens
+the reasoning block in the prompt (as Qwen3.5's does) unless enable_thinking is false (then
+it writes an empty block, as Qwen3's and Qwen3.5's do)."""
+import json
+import subprocess
+import sys
+
+import openai
+import pytest
+
+import engine
+from engine.reasoning import Splitter, open_at_end, thinks
+from serving import Server
+from tiny import build_model
+
+# A template of the shape Qwen3.5's has at the generation prompt (written for this test).
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+
+
+def split(chunks, inside=False):
+    s = Splitter(inside)
+    pieces = [p for c in chunks for p in s.push(c)] + s.flush()
+    return pieces, s.reasoning, s.answer
+
+
+@pytest.mark.parametrize("cut", range(1, 12))
+def test_tags_are_found_wherever_the_text_is_cut(cut):
+    text = "<think>\nFirst, 2 + 2.\n</think>\n\nIt is 4."
+    chunks = [text[i:i + cut] for i in range(0, len(text), cut)]
+    pieces, reasoning, answer = split(chunks)
+    assert (reasoning, answer) == ("First, 2 + 2.\n", "It is 4.")
+    assert "".join(t for r, t in pieces if r) == reasoning and "".join(t for r, t in pieces if not r) == answer
+
+
+def test_a_block_the_prompt_opened_and_text_that_only_looks_like_a_tag():
+    assert split(["Let me see.</think>", "\n\nYes."], inside=True)[1:] == ("Let me see.", "Yes.")
+    assert split(["a < b and <b>bold</b>"])[1:] == ("", "a < b and <b>bold</b>")
+    assert split(["Done. Then <think>x</think>"])[1:] == ("", "Done. Then <think>x</think>")   # mid-answer: text
+    assert split(["cut off mid-<th"], inside=True)[1:] == ("cut off mid-<th", "")             # flushed at the end
+    assert open_at_end("…<|im_start|>assistant\n<think>\n") and not open_at_end("<think>\n\n</think>\n\n")
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory, tokenizer):
+    from transformers import AutoTokenizer
+    path = build_model(tmp_path_factory.mktemp("thinker"), "qwen3", tokenizer=tokenizer, seed=4)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def test_the_engine_streams_reasoning_apart_and_enable_thinking_reaches_the_template(thinker):
+    eng = engine.open(str(thinker), dtype="float32", drafter="none")
+    assert thinks(eng.tokenizer)
+    chat = eng.chat()
+    events = list(chat.send("what is 2 + 2?", max_new_tokens=12))
+    deltas = [e for e in events if isinstance(e, engine.TextDelta)]
+    done = events[-1]
+    whole = eng.tokenizer.decode(list(done.token_ids), skip_special_tokens=True)
+    # the random model never closes the block the prompt opened: all of it is reasoning
+    assert deltas and all(d.reasoning for d in deltas)
+    assert done.text == "" and done.reasoning == whole.strip() and "".join(d.text for d in deltas) == whole.lstrip("\n")
+    chat = eng.chat()
+    chat.thinking = False                               # the template writes an empty, closed block
+    events = list(chat.send("what is 2 + 2?", max_new_tokens=12))
+    done = events[-1]
+    assert not any(e.reasoning for e in events if isinstance(e, engine.TextDelta))
+    assert done.reasoning == "" and done.text == eng.tokenizer.decode(list(done.token_ids), skip_special_tokens=True)
+
+
+def run_cli(model, *args):
+    return subprocess.run([sys.executable, "-m", "localchat", "--model", str(model), "--drafter", "none",
+                           "--no-log", "-n", "8", *args], capture_output=True, text=True, timeout=240)
+
+
+def test_one_shot_prints_the_answer_and_the_reasoning_only_when_asked(thinker):
+    plain = run_cli(thinker, "hi")                      # all reasoning, no answer: said, not silent
+    assert plain.returncode == 0 and plain.stdout.strip() == "", plain.stderr
+    assert "ended within the model's reasoning" in plain.stderr and "--show-thinking" in plain.stderr
+    shown = run_cli(thinker, "--show-thinking", "hi")
+    assert shown.returncode == 0 and shown.stdout.strip() and "<think>" not in shown.stdout, shown.stderr
+    record = json.loads(run_cli(thinker, "--json", "hi").stdout)
+    assert record["text"] == "" and record["reasoning"] == shown.stdout.strip()
+    answer = run_cli(thinker, "--no-think", "hi")
+    assert answer.returncode == 0 and answer.stdout.strip() and "reasoning" not in answer.stderr
+
+
+def test_serve_returns_reasoning_content_apart_streamed_and_whole(thinker):
+    server = Server(thinker)
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        msgs = [{"role": "user", "content": "hi"}]
+        whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=8)
+        message = whole.choices[0].message
+        assert message.content == "" and message.reasoning_content.strip()
+        streamed = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, stream=True)
+        parts = [c.choices[0].delta for c in streamed if c.choices]
+        got = "".join(getattr(d, "reasoning_content", None) or "" for d in parts)
+        assert got.strip() == message.reasoning_content and not "".join(d.content or "" for d in parts)
+        off = client.chat.completions.create(model=model, messages=msgs, max_tokens=8,
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert off.choices[0].message.content and getattr(off.choices[0].message, "reasoning_content", None) is None
+        with pytest.raises(openai.BadRequestError, match="enable_thinking"):
+            client.chat.completions.create(model=model, messages=msgs, max_tokens=8,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": "yes"}})
+    finally:
+        server.stop()
