@@ -112,3 +112,25 @@ def test_serve_returns_reasoning_content_apart_streamed_and_whole(thinker):
                                            extra_body={"chat_template_kwargs": {"enable_thinking": "yes"}})
     finally:
         server.stop()
+
+
+def test_the_chat_ui_quotes_the_reasoning_above_the_answer(thinker):
+    import asyncio
+
+    from localchat.config import Settings
+    from localchat.tui.app import ChatApp
+    from localchat.tui.widgets import AssistantMessage
+    from tui_helpers import SIZE, loader, type_and_send, wait_for
+    eng = engine.open(str(thinker), dtype="float32", drafter="none")
+
+    async def main():
+        app = ChatApp(loader(eng), Settings(max_tokens=8))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
+            await type_and_send(pilot, "what is 2 + 2?")
+            await wait_for(pilot, lambda: app.chat.last_done is not None and not app.generating, what="the answer")
+            done = app.chat.last_done
+            shown = app.query(AssistantMessage).first().text
+            assert done.reasoning and shown.startswith("> ")
+            assert [line[2:] for line in shown.splitlines()] == done.reasoning.splitlines()
+    asyncio.run(main())

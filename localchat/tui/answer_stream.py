@@ -44,7 +44,7 @@ def with_reasoning(done: engine.Done) -> str:
     if not done.reasoning:
         return done.text
     quote = ReasoningQuote()
-    return quote.push(done.reasoning, True) + quote.push(done.text, False)
+    return quote.push(done.reasoning, True) + (quote.push(done.text, False) if done.text else "")
 
 
 class AnswerStreaming:
