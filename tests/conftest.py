@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,46 @@ import engine.openmp  # noqa: F401  (before tiny imports torch: the spin setting
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import build_model, build_tokenizer  # noqa: E402
+
+
+def _children() -> list[str]:
+    """This process's live child processes (not zombies), as "pid cmdline"."""
+    out = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            pids = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if state != "Z":
+                out.append(f"{pid} {cmd[:120]}")
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nothing_left_behind():
+    """After a module's tests and fixtures: no child process still running, and no thread
+    that would keep the interpreter alive, so nothing of one module slows or blocks the next."""
+    import threading
+    threads = set(threading.enumerate())
+    yield
+    if not Path("/proc/self/task").is_dir():
+        return
+    deadline = time.monotonic() + 10          # a child being stopped gets a moment to go
+    while (left := _children()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    new = [t for t in threading.enumerate() if t not in threads and t.is_alive() and not t.daemon]
+    end = time.monotonic() + 10
+    while new and time.monotonic() < end:
+        time.sleep(0.1)
+        new = [t for t in new if t.is_alive()]
+    assert not left, f"child processes left running: {left}"
+    assert not new, f"threads left running: {[t.name for t in new]}"
 
 
 @pytest.fixture(scope="session", autouse=True)
