@@ -42,6 +42,8 @@ def _nothing_left_behind():
     deadline = time.monotonic() + 10          # a child being stopped gets a moment to go
     while (left := _children()) and time.monotonic() < deadline:
         time.sleep(0.1)
+    import gc
+    gc.collect()           # an engine only a reference cycle holds is freed here, and its reader pool ends
     new = [t for t in threading.enumerate() if t not in threads and t.is_alive() and not t.daemon]
     end = time.monotonic() + 10
     while new and time.monotonic() < end:

@@ -13,7 +13,7 @@ from engine import bandwidth, openmp, planner
 
 
 def run_doctor(*args, env=None):
-    base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}     # the suite's own (conftest)
+    base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}     # a caller's own spin
     return subprocess.run([sys.executable, "-m", "localchat", "doctor", *args], capture_output=True, timeout=240,
                           env=dict(base, HF_HUB_OFFLINE="1", **(env or {})))
 

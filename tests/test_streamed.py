@@ -377,3 +377,4 @@ def test_out_of_memory_mid_pass_hands_back_resident_layers_and_retries_once(tiny
         st.forward([1])
     fails["left"] = 0
     st.forward([1])                      # and it still runs afterwards
+    st.close()                           # its reader threads end with it

@@ -183,6 +183,12 @@ class Filler:
         # list() re-raises the first read error here, in the prefetch thread.
         list(self._pool.map(lambda job: self.files.read(*job), chunks))
 
+    def close(self) -> None:
+        """End the reader pool's threads (a later read starts a new pool)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     def direct(self, piece: Piece) -> bool:
         # Straight into the slot when no conversion or device copy is needed.
         return not self.cuda and self.device.type == "cpu" and piece.dtype == self.dtype
@@ -283,7 +289,11 @@ class Prefetcher:
         for s in self.slots:
             self._free.put(s)
         self.files.open()
-        self._thread = threading.Thread(target=self._run, name="localchat-prefetch", daemon=True)
+        # The reader holds the prefetcher only while it fills a slot: a target dropped without
+        # close() is freed (its weights, its ring), and the finalizer wakes the reader to end.
+        self._thread = threading.Thread(target=_reader, args=(weakref.ref(self), self._stop, self._free),
+                                        name="localchat-prefetch", daemon=True)
+        weakref.finalize(self, self._free.put, None)
         self._thread.start()
 
     def reset(self) -> None:
@@ -299,23 +309,23 @@ class Prefetcher:
 
     def close(self) -> None:
         self.reset()
+        self.filler.close()
         self.files.close()
 
-    # -- the reader thread
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for i, unit in enumerate(self.units):
-                slot = self._free.get()
-                if slot is None or self._stop.is_set():
-                    return
-                try:
-                    if i == 0:
-                        self.files.check_all()
-                    self._fill(unit, slot)
-                except BaseException as exc:   # noqa: BLE001 — handed to the compute thread
-                    self._ready.put((unit, slot, exc))
-                    return
-                self._ready.put((unit, slot, None))
+    # -- the reader thread (_reader below)
+    def _fill_next(self, i: int, slot: Slot) -> bool:
+        """Fill `slot` with unit i and hand it over; False once a read failed (the compute
+        thread gets the error)."""
+        unit = self.units[i]
+        try:
+            if i == 0:
+                self.files.check_all()
+            self._fill(unit, slot)
+        except BaseException as exc:   # noqa: BLE001 — handed to the compute thread
+            self._ready.put((unit, slot, exc))
+            return False
+        self._ready.put((unit, slot, None))
+        return True
 
     def _fill(self, unit: Unit, slot: Slot) -> None:
         t0 = time.perf_counter()
@@ -344,3 +354,18 @@ class Prefetcher:
             c.host_bytes += unit.file_bytes
         c.units += 1
         c.load_seconds += time.perf_counter() - t0
+
+
+def _reader(ref: "weakref.ref[Prefetcher]", stop: threading.Event, free: queue.Queue) -> None:
+    """The reader thread: units in pass order into free slots, until stopped, or until the
+    prefetcher is gone. It waits for a slot without holding the prefetcher."""
+    i = 0
+    while not stop.is_set():
+        slot = free.get()
+        p = ref()
+        if slot is None or p is None or stop.is_set():
+            return
+        if not p._fill_next(i, slot):
+            return
+        i = (i + 1) % len(p.units)
+        del p
