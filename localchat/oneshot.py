@@ -257,6 +257,7 @@ def run_oneshot(args, settings) -> int:
         error(done.error)
         return EXIT_USAGE if done.bad_weights else EXIT_FAIL
     if done.reasoning and not done.text.strip() and not show_thinking:     # never a silent empty answer
-        error(f"the answer ended within the model's reasoning ({done.reason}, {len(done.token_ids)} tokens); "
-              "raise --max-tokens, pass --no-think, or --show-thinking to see it")
+        why = "its --max-tokens ran out" if done.reason == "length" else f"it ended ({done.reason})"
+        error(f"the answer ended within the model's reasoning ({why}); raise --max-tokens, pass --no-think, "
+              "or --show-thinking to see it")
     return EXIT_OK

@@ -154,6 +154,7 @@ class RemoteChat(Messages):
         self.engine = eng
         self.last_stats: RemoteStats | None = None
         self.last_done: Done | None = None
+        self.thinking: bool | None = None     # sent as chat_template_kwargs.enable_thinking
         self.controller = None
         self._cancel = threading.Event()
         self._conn: http.client.HTTPConnection | None = None
@@ -179,6 +180,8 @@ class RemoteChat(Messages):
             body["top_k"] = top_k
         if seed is not None:
             body["seed"] = seed
+        if self.thinking is not None:          # vLLM, SGLang, llama-server and localchat take it
+            body["chat_template_kwargs"] = {"enable_thinking": self.thinking}
         self._cancel.clear()
         self.messages.append({"role": "user", "content": text})
         answer = {"role": "assistant", "content": ""}
@@ -199,6 +202,7 @@ class RemoteChat(Messages):
             return
         self._conn = conn
         reason, error = "length", ""
+        reasoning: list[str] = []
         try:
             for obj in _events(resp, self._cancel):
                 if "error" in obj and "choices" not in obj:
@@ -207,7 +211,13 @@ class RemoteChat(Messages):
                     break
                 st.server(obj)
                 for choice in obj.get("choices") or []:
-                    delta = (choice.get("delta") or {}).get("content")
+                    d = choice.get("delta") or {}
+                    thought = d.get("reasoning_content") or d.get("reasoning")
+                    if thought:                     # a thinking model's reasoning, kept apart
+                        st.token()
+                        reasoning.append(thought)
+                        yield TextDelta(thought, True)
+                    delta = d.get("content")
                     if delta:
                         st.token()
                         answer["content"] += delta
@@ -230,7 +240,7 @@ class RemoteChat(Messages):
             self._conn = None
             conn.close()
             self.last_stats = st.stats()
-            self.last_done = Done(reason, (), answer["content"], error)
+            self.last_done = Done(reason, (), answer["content"], error, reasoning="".join(reasoning).strip())
         yield self.last_stats
         yield self.last_done
 

@@ -134,3 +134,20 @@ def test_the_chat_ui_quotes_the_reasoning_above_the_answer(thinker):
             assert done.reasoning and shown.startswith("> ")
             assert [line[2:] for line in shown.splitlines()] == done.reasoning.splitlines()
     asyncio.run(main())
+
+
+def test_a_backend_s_reasoning_stays_apart_in_the_one_shot(thinker):
+    """`--backend` on a server that sends reasoning_content (localchat serve here, as vLLM
+    and llama-server do): the one-shot prints the answer only, and the reasoning on request."""
+    server = Server(thinker)
+    try:
+        base = [sys.executable, "-m", "localchat", "--backend", server.url, "--no-log", "-n", "8"]
+        plain = subprocess.run(base + ["hi"], capture_output=True, text=True, timeout=120)
+        assert plain.returncode == 0 and plain.stdout.strip() == "", plain.stderr
+        assert "ended within the model's reasoning" in plain.stderr
+        shown = subprocess.run(base + ["--show-thinking", "hi"], capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and shown.stdout.strip(), shown.stderr
+        off = subprocess.run(base + ["--no-think", "hi"], capture_output=True, text=True, timeout=120)
+        assert off.returncode == 0 and off.stdout.strip() and "reasoning" not in off.stderr, off.stderr
+    finally:
+        server.stop()
