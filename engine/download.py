@@ -63,6 +63,11 @@ def cache_root() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
+def _repo_dir(repo_id: str) -> Path:
+    """The repo's folder in the HF cache (huggingface_hub's layout)."""
+    return cache_root() / ("models--" + repo_id.replace("/", "--"))
+
+
 def download(repo_id: str, revision: str | None = None, progress: Progress | None = None,
              attempts: int = ATTEMPTS, backoff: float = BACKOFF) -> Path:
     """The snapshot folder of `repo_id` with its config, tokenizer and safetensors, fetched
@@ -103,7 +108,7 @@ def _remember_revision(repo_id: str, revision: str, sha: str) -> None:
     the cache's ref file then says which commit `revision` names, for offline use."""
     if revision == sha:
         return
-    refs = cache_root() / ("models--" + repo_id.replace("/", "--")) / "refs"
+    refs = _repo_dir(repo_id) / "refs"
     refs.mkdir(parents=True, exist_ok=True)
     (refs / revision).write_text(sha)
 
@@ -118,7 +123,7 @@ def _one_file(repo_id: str, sha: str, sibling, before: int, total: int, progress
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     meta = _retrying(lambda: get_hf_file_metadata(hf_hub_url(repo_id, name, revision=sha)),
                      repo_id, name, attempts, backoff)
-    repo_dir = cache_root() / ("models--" + repo_id.replace("/", "--"))
+    repo_dir = _repo_dir(repo_id)
     blob = repo_dir / "blobs" / meta.etag
     blob.parent.mkdir(parents=True, exist_ok=True)
     part = blob.with_name(blob.name + ".incomplete")
@@ -299,6 +304,6 @@ def _why_unreachable(exc: BaseException) -> str:
 
 def _kept(repo_id: str) -> str:
     """How many bytes of this repo are in the cache, complete or partial, as text."""
-    folder = cache_root() / ("models--" + repo_id.replace("/", "--")) / "blobs"
+    folder = _repo_dir(repo_id) / "blobs"
     n = sum(p.stat().st_size for p in folder.glob("*")) if folder.is_dir() else 0
     return f"{n / 1e6:,.1f} MB"

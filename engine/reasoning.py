@@ -49,10 +49,8 @@ class Splitter:
                 buf = buf[at + len(tag):]
                 if self.inside:
                     self.seen_close = True
-                    buf = buf.lstrip("\n") if not self.answer else buf    # the template's "\n\n" after it
                 elif self.answer.strip():
-                    self._emit(out, "")           # a tag after the answer began is text, kept below
-                    self._emit_answer_tag(out, tag)
+                    self._emit(out, tag)          # a tag after the answer began is text
                     continue
                 self.inside = not self.inside
                 continue
@@ -85,13 +83,6 @@ class Splitter:
             out[-1] = (self.inside, out[-1][1] + text)
         else:
             out.append((self.inside, text))
-
-    def _emit_answer_tag(self, out: list, tag: str) -> None:
-        self.answer += tag
-        if out and not out[-1][0]:
-            out[-1] = (False, out[-1][1] + tag)
-        else:
-            out.append((False, tag))
 
 
 def _partial_tag_suffix(text: str, tag: str) -> int:

@@ -235,7 +235,10 @@ class Chat(Messages):
                     delta = detok.push(shown) if shown else ""
                     if delta:
                         answer["content"] += delta
-                        yield from _deltas(splitter, delta)
+                        if splitter is None:          # the common case, per pass: no generator
+                            yield TextDelta(delta)
+                        else:
+                            yield from _deltas(splitter, delta)
                     if tokens[-1] in eng.stop_ids:
                         reason = "stop"
                     if tracker.due():

@@ -131,8 +131,9 @@ def open_engine(settings: config_mod.Settings, progress=None, api_key: str | Non
         from . import remote
         return remote.RemoteEngine(settings.backend, settings.backend_model, remote.api_key(api_key))
     from . import hub
-    if hub.is_repo_id(settings.model) and hub.cached(settings.model) is None:
-        # fetched first, so the download shows: one stderr line, or the TUI's loading line
+    if hub.is_repo_id(settings.model):
+        # fetched first (from the cache when it is there), so a download shows: one stderr
+        # line, or the TUI's loading line
         hub.fetch(settings.model, progress=None if progress is None else
                   (lambda done, total: progress("downloaded", done, total)))
     import engine

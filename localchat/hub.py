@@ -67,10 +67,11 @@ def fetch(name: str, check_hub: bool = False, progress=None) -> Path:
         return hit
     if offline():
         raise ModelNotFound(f"{name}: not downloaded yet and HF_HUB_OFFLINE is set (offline)")
+    # not in the cache (just checked): straight to the hub, whose per-file check keeps what is there
     if progress is not None:
-        return checkpoint.download(name, progress=progress, check_hub=check_hub)
+        return checkpoint.download(name, progress=progress, check_hub=True)
     bar = DownloadBar(name)
     try:
-        return checkpoint.download(name, progress=bar, check_hub=check_hub)
+        return checkpoint.download(name, progress=bar, check_hub=True)
     finally:
         bar.close()
