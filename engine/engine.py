@@ -147,6 +147,9 @@ class Engine:
                 # a hybrid: whether its gated delta-net layers step in C (models/delta_net.py)
                 **({"delta_net": note} if (note := getattr(getattr(t, "impl", None), "delta_net_note", ""))
                    else {}),
+                # Qwen3.5: whether its decoder layers run whole in C (models/hybrid_layers.py)
+                **({"hybrid_layers": note} if (note := getattr(getattr(t, "impl", None), "hybrid_note", ""))
+                   else {}),
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
 
 

@@ -287,13 +287,14 @@ def _kernel_text() -> str:
     layers = by_dtype("layers")
     ready = [d for d, why in layers.items() if not why]
     if ready:
-        lines.append(f"Layer kernels ({', '.join(ready)}): a resident Llama-family model's one-token steps and "
-                     "verify passes run all its layers in one call")
+        lines.append(f"Layer kernels ({', '.join(ready)}): a Llama-family model's one-token steps and "
+                     "verify passes run all its layers in one call, a Qwen3.5 model's one layer at a time")
     lines += [f"Layer kernel ({d}): not used, {why}" for d, why in layers.items() if why and not rows.get(d)]
     for name, ready_text, instead in (
             ("int8", "int8 weights are read as stored, whole layers in one call", "aten's int8 kernel"),
             ("int4", "int4 weights are read in their own form, whole layers in one call", "aten's int4 kernel"),
-            ("gated delta-net", "a hybrid's conv and recurrence steps run in C", "transformers' functions")):
+            ("gated delta-net", "a hybrid's conv and recurrence steps run in C (with the layer kernels, "
+             "Qwen3.5's whole layers)", "transformers' functions")):
         why = st[name]
         lines.append(f"{name.capitalize()} kernel: {ready_text}" if not why
                      else f"{name.capitalize()} kernel: not used, {why}; {instead} instead")

@@ -32,7 +32,7 @@ static inline void st(void *p, int64_t i, float v, int bf16) {
 /* The depthwise causal conv of T new columns: x [T, C] (row stride ldx), window [C, K] (the
  * last K inputs, oldest first; updated in place), w [C, K]; out [T, C] = SiLU(conv) when silu,
  * else the conv, each rounded to the type (the conv's float32 sum once, then the SiLU). */
-void gdn_conv(const void *x, int64_t ldx, void *window, const void *w, void *out, int T, int C, int K,
+__attribute__((noinline)) void gdn_conv(const void *x, int64_t ldx, void *window, const void *w, void *out, int T, int C, int K,
               int silu, int bf16, int threads) {
     /* a channel is one thread's whole job */
     #pragma omp parallel for schedule(static) num_threads(threads)
@@ -51,12 +51,15 @@ void gdn_conv(const void *x, int64_t ldx, void *window, const void *w, void *out
 
 #define MAX_DIM 256
 
-/* T tokens of the recurrence for every value head. q, k [T, Hk, Dk], v [T, Hv, Dv] (type
- * of bf16), g [T, Hv] float32 (the log decay), beta [T, Hv] (type of beta_bf16); s_in, s_out
- * [Hv, Dk, Dv] float32 (s_in is not written; s_out may not alias it); out [T, Hv, Dv].
+/* T tokens of the recurrence for every value head. q, k [T, Hk, Dk] (row stride ldqk), v
+ * [T, Hv, Dv] (row stride ldv), all of the type of bf16; g [T, Hv] float32 (the log decay),
+ * beta [T, Hv] (type of beta_bf16); s_in, s_out [Hv, Dk, Dv] float32 (s_in is not written
+ * unless s_out is s_in: each element is read before it is written, so the state may be
+ * advanced in place); out [T, Hv, Dv].
  * Value head h reads key head h / (Hv / Hk). With l2 the query and key are scaled to unit
  * length (eps 1e-6 under the root); the query then by 1/sqrt(Dk). */
-void gdn_rule(const void *q, const void *k, const void *v, int bf16, const float *g, const void *beta,
+__attribute__((noinline)) void gdn_rule(const void *q, const void *k, const void *v, int64_t ldqk, int64_t ldv,
+                                        int bf16, const float *g, const void *beta,
               int beta_bf16, const float *s_in, float *s_out, void *out, int T, int Hk, int Hv, int Dk, int Dv,
               int l2, int threads) {
     const int rep = Hv / Hk;
@@ -68,7 +71,8 @@ void gdn_rule(const void *q, const void *k, const void *v, int bf16, const float
         const float *src = s_in + hs;
         float *S = s_out + hs;
         for (int t = 0; t < T; t++) {
-            int64_t qk = ((int64_t)t * Hk + h / rep) * Dk, vo = ((int64_t)t * Hv + h) * Dv;
+            int64_t qk = (int64_t)t * ldqk + (int64_t)(h / rep) * Dk, vo = ((int64_t)t * Hv + h) * Dv;
+            int64_t vi = (int64_t)t * ldv + (int64_t)h * Dv;
             for (int d = 0; d < Dk; d++) { qn[d] = ld(q, qk + d, bf16); kn[d] = ld(k, qk + d, bf16); }
             if (l2) {
                 float sq = 0.f, sk = 0.f;
@@ -79,7 +83,7 @@ void gdn_rule(const void *q, const void *k, const void *v, int bf16, const float
             for (int d = 0; d < Dk; d++) qn[d] /= qscale;
             const float decay = expf(g[(int64_t)t * Hv + h]);
             const float b = ld(beta, (int64_t)t * Hv + h, beta_bf16);
-            for (int e = 0; e < Dv; e++) { mem[e] = 0.f; acc[e] = 0.f; vt[e] = ld(v, vo + e, bf16); }
+            for (int e = 0; e < Dv; e++) { mem[e] = 0.f; acc[e] = 0.f; vt[e] = ld(v, vi + e, bf16); }
             /* decay the state and read what it holds for this key: mem = S^T k */
             for (int d = 0; d < Dk; d++) {
                 const float *r = (t ? S : src) + (int64_t)d * Dv;
@@ -106,6 +110,23 @@ void gdn_rule(const void *q, const void *k, const void *v, int bf16, const float
             }
             for (int e = 0; e < Dv; e++) st(out, vo + e, acc[e], bf16);
         }
-        if (T == 0) memcpy(S, src, (size_t)Dk * Dv * sizeof(float));
+        if (T == 0 && S != src) memcpy(S, src, (size_t)Dk * Dv * sizeof(float));
     }
+}
+
+/* A delta-net layer's conv and recurrence in one call, as a one-token step or a verify pass
+ * runs them (kernels/hybrid_body.h computes what comes before and after): raw [T, C] the
+ * projected q, k, v before the conv (C = 2 Hk Dk + Hv Dv); the conv with SiLU into conv [T, C]
+ * (the window advanced in place), then the recurrence over its q, k, v parts with the
+ * query and key scaled to unit length, from s_in into s_out (which may be s_in), into out
+ * [T, Hv, Dv]. The same two functions the replay calls, so the bits are theirs. */
+void gdn_step(const void *raw, void *window, const void *w, void *conv, const float *g, const void *beta,
+              const float *s_in, float *s_out, void *out, int T, int Hk, int Hv, int Dk, int Dv, int K, int bf16,
+              int threads) {
+    const int C = 2 * Hk * Dk + Hv * Dv;
+    const size_t es = bf16 ? 2 : 4;
+    gdn_conv(raw, C, window, w, conv, T, C, K, 1, bf16, threads);
+    const char *c = (const char *)conv;
+    gdn_rule(c, c + (size_t)Hk * Dk * es, c + (size_t)2 * Hk * Dk * es, C, C, bf16, g, beta, bf16, s_in, s_out, out,
+             T, Hk, Hv, Dk, Dv, 1, threads);
 }

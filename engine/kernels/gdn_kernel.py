@@ -39,7 +39,9 @@ def why_not() -> str:
             P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
             lib.gdn_conv.restype = lib.gdn_rule.restype = None
             lib.gdn_conv.argtypes = [P, I64, P, P, P, I, I, I, I, I, I]
-            lib.gdn_rule.argtypes = [P, P, P, I, P, P, I, P, P, P, I, I, I, I, I, I, I]
+            lib.gdn_rule.argtypes = [P, P, P, I64, I64, I, P, P, I, P, P, P, I, I, I, I, I, I, I]
+            lib.gdn_step.restype = None
+            lib.gdn_step.argtypes = [P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, I]
         _lib.append(lib)
     return _why[0]
 
@@ -91,7 +93,7 @@ def delta_rule(plain):
         out = torch.empty(B, T, Hv, Dv, dtype=dt)
         threads = torch.get_num_threads()
         for b in range(B):
-            _lib[0].gdn_rule(q[b].data_ptr(), k[b].data_ptr(), v[b].data_ptr(), dt == torch.bfloat16,
+            _lib[0].gdn_rule(q[b].data_ptr(), k[b].data_ptr(), v[b].data_ptr(), Hk * Dk, Hv * Dv, dt == torch.bfloat16,
                              gf[b].data_ptr(), bt[b].data_ptr(), bt.dtype == torch.bfloat16, s_in[b].data_ptr(),
                              s_out[b].data_ptr(), out[b].data_ptr(), T, Hk, Hv, Dk, Dv,
                              bool(use_qk_l2norm_in_kernel), threads)

@@ -2,7 +2,8 @@
  * RMSNorm, q/k/v, per-head q/k norms (Qwen3), rotary, the keys and values written into the
  * position-indexed cache, attention, o, the residual, RMSNorm, gate/up, SiLU, down, the
  * residual (layer_body.h, compiled once per element type); and a mixture-of-experts block's
- * routed experts (moe_body.h), whose products are the same.
+ * routed experts (moe_body.h), whose products are the same; and Qwen3.5's hybrid layers
+ * (hybrid_body.h).
  *
  * Why: at the demo model's size a one-token step is some 25 small torch operations a layer,
  * and their dispatch, not the arithmetic, decided its speed (engine/models/llama_family.py
@@ -35,6 +36,22 @@ typedef struct {
     Mat qkv, o, gate_up, down;
     void *k_cache, *v_cache;          /* [kv_heads, capacity, head_dim] each */
 } LayerWeights;
+
+/* A Qwen3.5 decoder layer (hybrid_body.h): a gated attention layer's q (each head's query
+ * then its gate), k, v, o and norms, or a gated delta-net layer's projections; the dense
+ * MLP (gate.w NULL where the caller runs the layer's MLP, a mixture of experts) */
+typedef struct {
+    const void *ln1, *ln2, *q_norm, *k_norm, *norm, *dt_bias;
+    const float *a_neg;               /* -exp(A_log), float32 */
+    Mat q, k, v, o, qkv, z, b, a, out, gate, up, down;
+    void *k_cache, *v_cache;          /* [kv_heads, capacity, head_dim] each */
+} HybridWeights;
+
+typedef struct {
+    int hidden, inter, heads, kv_heads, head_dim, rot, Hk, Hv, Dk, Dv;
+    int64_t capacity;
+    float eps, scale;
+} HybridShape;
 
 typedef struct {
     int hidden, heads, kv_heads, head_dim, inter;
@@ -76,6 +93,7 @@ static inline void silu16(const float *g, float *out) {
 #define LINEAR_Q4(...) ((void)0)      /* no int4 weights in a float32 layer (layer_kernel.py) */
 #include "layer_body.h"
 #include "moe_body.h"
+#include "hybrid_body.h"
 #undef ELEM
 #undef FN
 #undef LD
@@ -94,4 +112,5 @@ static inline void silu16(const float *g, float *out) {
 #define LINEAR_Q4 linear_q4_bf16
 #include "layer_body.h"
 #include "moe_body.h"
+#include "hybrid_body.h"
 #endif

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..cache import KVCache
 from ..kernels import row_kernel
-from . import delta_net, moe, replay, rows
+from . import delta_net, hybrid_layers, moe, replay, rows
 from .llama_family import ALIGN_BYTES, aligned
 
 
@@ -157,6 +157,9 @@ class HFForward(rows.KernelPasses):
         # Gated delta-net layers' per-token conv and recurrence in C, while our passes run
         self.delta_net, self.delta_net_note = (delta_net.install(model) if cache.device.type == "cpu"
                                                else (delta_net.Scope({}), ""))
+        # Qwen3.5's layers whole in C for one-token steps and verify passes
+        self._pos = 0
+        self.hybrid_note = hybrid_layers.install(self, cache.dtype) if self._kernel else ""
 
     def weight_tensors(self) -> list[torch.Tensor]:
         seen, out = set(), []
@@ -169,6 +172,7 @@ class HFForward(rows.KernelPasses):
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         T = ids.shape[-1]
         self._begin_pass(T, all_logits)
+        self._pos = pos
         position_ids = torch.arange(pos, pos + T, device=ids.device).unsqueeze(0)
         with self.delta_net:
             out = self.model(input_ids=ids.view(1, T), position_ids=position_ids, cache=self.hf_cache,

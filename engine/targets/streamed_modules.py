@@ -146,6 +146,7 @@ class StreamedModulesForward(hf_forward.HFForward):
     def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         T = ids.shape[-1]
         self._begin_pass(T, all_logits)
+        self._pos = pos
         position_ids = torch.arange(pos, pos + T, device=ids.device).unsqueeze(0)
         embeds = self.t.embed_rows(ids.view(T)).view(1, T, -1)
         try:

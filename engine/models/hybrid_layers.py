@@ -1,0 +1,237 @@
+"""Qwen3.5's decoder layers (dense and mixture of experts) through kernels/hybrid_kernel.py
+for the passes whose rows must be one-token steps: one-token steps and verify passes.
+
+Each decoder layer's forward is wrapped: such a pass runs the C layer over the layer's own
+weights (read from its modules at each call, so a streamed slot's views work as resident
+tensors do) and the forward's caches; any other pass (a prefill, a traced graph, a layer
+whose weights are not held as the kernels read them) runs transformers' forward. A verify
+pass of a gated delta-net layer steps from the committed state into working copies and
+records each position's inputs to the recurrence into the layer's replay buffer, as
+models/replay.py's verify forward does, so the replay that settles the round is unchanged.
+A mixture-of-experts layer's MLP half stays the module's (models/moe.py's experts kernel).
+`LOCALCHAT_HYBRID_KERNEL=off` keeps transformers' modules everywhere, for comparisons."""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+from torch import nn
+
+from ..kernels import hybrid_kernel
+from ..kernels.hybrid_kernel import Shape, Weights, mat
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe")      # modeling modules whose layers hybrid_body.h computes
+MAX_DIM = 512
+
+
+def _plain(t, dtype) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == dtype and t.is_cpu and t.is_contiguous()
+
+
+def _matrix(m, dtype):
+    """The weight of a linear module without bias as layer.c reads it (a dense tensor in
+    `dtype`, per-channel int8 with scales in `dtype`, bf16 layers' canonical int4), or None."""
+    if getattr(m, "bias", None) is not None:
+        return None
+    if isinstance(m, nn.Linear):
+        return m.weight if _plain(m.weight, dtype) else None
+    w = getattr(m, "w", None)                  # targets/module_quant.PackedLinear
+    if getattr(w, "canonical", False):
+        return w if dtype == torch.bfloat16 else None
+    if getattr(w, "own_kernel", False):
+        return w if w.scale.dtype == dtype else None
+    return None
+
+
+def _matrices(dtype, *modules) -> list | None:
+    out = [_matrix(m, dtype) for m in modules]
+    return None if any(w is None for w in out) else out
+
+
+class HybridLayers:
+    """The wrapped decoder layers of one forward (models/hf_forward.HFForward)."""
+
+    def __init__(self, fwd, layers: list[nn.Module], dtype: torch.dtype):
+        self.fwd, self.dtype, self.lib = fwd, dtype, hybrid_kernel.Library(dtype)
+        self._mine = threading.local()
+        cfg = fwd.model.config
+        cfg = getattr(cfg, "text_config", cfg)
+        attn = next(m.self_attn for m in layers if hasattr(m, "self_attn"))
+        gdn = next(m.linear_attn for m in layers if hasattr(m, "linear_attn"))
+        D = attn.head_dim
+        rot = int(D * (cfg.rope_parameters or {}).get("partial_rotary_factor", 1.0))
+        dense = next((m.mlp for m in layers if hasattr(m.mlp, "gate_proj")), None)
+        self.shape = dict(hidden=cfg.hidden_size, inter=dense.intermediate_size if dense is not None else 0,
+                          heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=D, rot=rot,
+                          Hk=gdn.num_k_heads, Hv=gdn.num_v_heads, Dk=gdn.head_k_dim, Dv=gdn.head_v_dim,
+                          eps=cfg.rms_norm_eps, scale=attn.scaling)
+        self.conv_k = gdn.conv_kernel_size
+        self._a_neg: dict[int, torch.Tensor] = {}
+        kv = 0
+        for i, layer in enumerate(layers):
+            orig = layer.forward
+            if hasattr(layer, "self_attn"):
+                layer.forward = self._wrap(orig, self._attention, layer, kv)
+                kv += 1
+            else:
+                rep = next(r for r in fwd.cache.replays if r.mod is layer.linear_attn) if fwd.cache.replays else None
+                layer.forward = self._wrap(orig, self._delta_net, layer, (fwd.hf_cache.layers[i], rep))
+
+    def _wrap(self, orig, run, layer, where):
+        def forward(hidden_states, *args, **kw):
+            T = hidden_states.shape[1]
+            if (hidden_states.shape[0] == 1 and self.fwd._row_kernel(T) and hidden_states.dtype == self.dtype
+                    and not torch.compiler.is_compiling()):
+                h = hidden_states.reshape(T, -1).contiguous()
+                if run(layer, where, h, T, kw):
+                    return h.view(1, T, -1)
+            return orig(hidden_states, *args, **kw)
+        return forward
+
+    # -- the C descriptions
+    def _shape(self, capacity: int = 0) -> Shape:
+        return Shape(capacity=capacity, **self.shape)
+
+    def _mlp(self, d: Weights, layer) -> bool:
+        d.ln2 = layer.post_attention_layernorm.weight.data_ptr()
+        mlp = layer.mlp
+        if not hasattr(mlp, "gate_proj"):
+            return True                        # a sparse block: the module runs it
+        ws = _matrices(self.dtype, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if ws is None:
+            return False
+        d.gate, d.up, d.down = (mat(w) for w in ws)
+        return True
+
+    def _scratch(self, shape: Shape, T: int, context: int) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        need = self.lib.scratch_bytes(ctypes_ref(shape), T, context, threads)
+        s = getattr(self._mine, "scratch", None)
+        if s is None or s.numel() < need:
+            s = self._mine.scratch = torch.empty(max(need, 2 * (0 if s is None else s.numel())), dtype=torch.uint8)
+        return s
+
+    def _moe_half(self, layer, h: torch.Tensor, T: int) -> None:
+        if hasattr(layer.mlp, "gate_proj"):
+            return
+        x = layer.post_attention_layernorm(h.view(1, T, -1))
+        y = layer.mlp(x)
+        if isinstance(y, tuple):
+            y = y[0]
+        h.copy_((h.view(1, T, -1) + y).view(T, -1))
+
+    # -- a gated attention layer
+    def _attention(self, layer, kv: int, h: torch.Tensor, T: int, kw) -> bool:
+        att, dt = layer.self_attn, self.dtype
+        cache, pos = self.fwd.cache, self.fwd._pos
+        kc, vc = cache.k[kv], cache.v[kv]
+        cos, sin = kw["position_embeddings"]
+        ws = _matrices(dt, att.q_proj, att.k_proj, att.v_proj, att.o_proj)
+        if not (ws is not None and _plain(kc, dt) and _plain(vc, dt) and cos.dtype == dt and pos + T <= kc.shape[2]):
+            return False
+        d = Weights()
+        if not self._mlp(d, layer):
+            return False
+        d.ln1 = layer.input_layernorm.weight.data_ptr()
+        d.q_norm, d.k_norm = att.q_norm.weight.data_ptr(), att.k_norm.weight.data_ptr()
+        d.q, d.k, d.v, d.o = (mat(w) for w in ws)
+        d.k_cache, d.v_cache = kc.data_ptr(), vc.data_ptr()
+        shape = self._shape(kc.shape[2])
+        cos, sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
+        scratch = self._scratch(shape, T, pos + T)
+        self.lib.attn(ctypes_ref(d), ctypes_ref(shape), h.data_ptr(), T, pos, cos.data_ptr(), sin.data_ptr(),
+                      scratch.data_ptr(), torch.get_num_threads())
+        self._moe_half(layer, h, T)
+        return True
+
+    # -- a gated delta-net layer
+    def _delta_net(self, layer, where, h: torch.Tensor, T: int, kw) -> bool:
+        lay, rep = where
+        mod, dt = layer.linear_attn, self.dtype
+        if not lay.has_previous_state[0]:
+            return False                        # a first pass: transformers' forward starts the state
+        # without a replay (a layer replay.py does not know) verify passes are transformers',
+        # so one-token steps must be too
+        window, state = lay.conv_states[0], lay.recurrent_states[0]
+        verifying = self.fwd.cache.verifying
+        ws = _matrices(dt, mod.in_proj_qkv, mod.in_proj_z, mod.in_proj_b, mod.in_proj_a, mod.out_proj)
+        if (rep is None or ws is None or not _plain(window, dt) or not _plain(state, torch.float32)
+                or not _plain(mod.conv1d.weight, dt) or not _plain(mod.norm.weight, dt)):
+            return False
+        d = Weights()
+        if not self._mlp(d, layer):
+            return False
+        d.ln1 = layer.input_layernorm.weight.data_ptr()
+        d.qkv, d.z, d.b, d.a, d.out = (mat(w) for w in ws)
+        d.norm, d.dt_bias = mod.norm.weight.data_ptr(), mod.dt_bias.data_ptr()
+        a_neg = self._a_neg.get(id(mod))          # a module always holds its own layer's A_log
+        if a_neg is None:
+            a_neg = self._a_neg[id(mod)] = -mod.A_log.float().exp()
+        d.a_neg = a_neg.data_ptr()
+        s = self.shape
+        Hk, Hv, Dk, Dv = s["Hk"], s["Hv"], s["Dk"], s["Dv"]
+        C = 2 * Hk * Dk + Hv * Dv
+        raw = torch.empty(T, C, dtype=dt)
+        conv = torch.empty(T, C, dtype=dt)
+        z = torch.empty(T, Hv * Dv, dtype=dt)
+        beta = torch.empty(T, Hv, dtype=dt)
+        g = torch.empty(T, Hv, dtype=torch.float32)
+        core = torch.empty(T, Hv * Dv, dtype=dt)
+        shape = self._shape()
+        scratch = self._scratch(shape, T, 0)
+        threads = torch.get_num_threads()
+        dr, sr = ctypes_ref(d), ctypes_ref(shape)
+        self.lib.gdn_in(dr, sr, h.data_ptr(), T, raw.data_ptr(), z.data_ptr(), beta.data_ptr(), g.data_ptr(),
+                        scratch.data_ptr(), threads)
+        if verifying:                           # from the committed state (or the recording so far) into copies
+            at = rep.positions
+            window = (rep.window if at else window).clone()
+            s_in = rep.final if at else state
+            s_out = torch.empty_like(state)
+        else:                                   # the committed state advanced in place
+            s_in = s_out = state
+        conv_w = mod.conv1d.weight.view(C, -1)
+        self.lib.step(raw.data_ptr(), window.data_ptr(), conv_w.data_ptr(), conv.data_ptr(), g.data_ptr(),
+                      beta.data_ptr(), s_in.data_ptr(), s_out.data_ptr(), core.data_ptr(), T, Hk, Hv, Dk, Dv,
+                      self.conv_k, dt == torch.bfloat16, threads)
+        if verifying:
+            cap = self.fwd.cache.replay_capacity
+            qkv = conv.view(1, T, C)
+            rep._slot("q", qkv[..., :Hk * Dk].view(1, T, Hk, Dk), cap, 1, at)
+            rep._slot("k", qkv[..., Hk * Dk:2 * Hk * Dk].view(1, T, Hk, Dk), cap, 1, at)
+            rep._slot("v", qkv[..., 2 * Hk * Dk:].reshape(1, T, Hv, Dv), cap, 1, at)
+            rep._slot("g", g.view(1, T, Hv), cap, 1, at)
+            rep._slot("beta", beta.view(1, T, Hv), cap, 1, at)
+            rep._slot("raw", raw.t().unsqueeze(0), cap, 2, at)
+            rep.positions, rep.final, rep.window = at + T, s_out, window
+        self.lib.gdn_out(dr, sr, h.data_ptr(), T, core.data_ptr(), z.data_ptr(), scratch.data_ptr(), threads)
+        self._moe_half(layer, h, T)
+        return True
+
+
+def ctypes_ref(s) -> int:
+    return ctypes.addressof(s)
+
+
+def install(fwd, dtype: torch.dtype) -> str:
+    """Wrap `fwd`'s Qwen3.5 decoder layers; a note for describe() ('' for other models)."""
+    layers = [m for m in fwd.model.modules() if type(m).__name__.endswith("DecoderLayer")
+              and (hasattr(m, "linear_attn") or hasattr(m, "self_attn"))]
+    family = {type(m).__module__.rsplit(".", 1)[-1].removeprefix("modeling_") for m in layers}
+    if not layers or not any(hasattr(m, "linear_attn") for m in layers):
+        return ""
+    if not family <= set(FAMILIES):
+        return f"the hybrid layers of {', '.join(sorted(family))} run transformers' modules"
+    why = hybrid_kernel.why_not(dtype) if fwd.cache.device.type == "cpu" else "not on the CPU"
+    if os.environ.get("LOCALCHAT_HYBRID_KERNEL", "").lower() in ("off", "0", "no", "false"):
+        why = "turned off (LOCALCHAT_HYBRID_KERNEL=off)"
+    attn = next((m.self_attn for m in layers if hasattr(m, "self_attn")), None)
+    if not why and (attn is None or attn.head_dim > MAX_DIM or fwd.cache.dtype != dtype):
+        why = "a layer shape the kernels do not take"
+    if why:
+        return f"the hybrid layers run transformers' modules ({why})"
+    HybridLayers(fwd, layers, dtype)
+    return (f"one-token steps and verify passes run the {len(layers)} hybrid layers in C "
+            "(where their weights are held as the kernels read them: dense, int8, bf16's int4; a prefill runs transformers' modules)")
