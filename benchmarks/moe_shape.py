@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -49,17 +50,19 @@ ROWS = {"bf16": ({"dtype": "bfloat16"}, "BF16"), "q8": ({"profile": "resident-in
 LLAMA_VERSION = "0.3.36"
 
 
-def build(folder: Path, layers: int) -> Path:
-    """The checkpoint, once (renamed into place when whole: a half-built one is redone)."""
+def build(folder: Path, layers: int, shape: dict = SHAPE, family: str = "Qwen3_5Moe") -> Path:
+    """The checkpoint of `family` (transformers' <family>ForCausalLM and <family>TextConfig)
+    with `shape`, once (renamed into place when whole: a half-built one is redone)."""
     hf = folder / "hf"
     if (hf / "config.json").is_file():
         return hf
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    import transformers
     tok = demo_tokenizer()
-    cfg = Qwen3_5MoeTextConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                               num_hidden_layers=layers, **SHAPE)
+    cfg = getattr(transformers, f"{family}TextConfig")(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                                       eos_token_id=tok.eos_token_id, num_hidden_layers=layers,
+                                                       **shape)
     torch.manual_seed(0)
-    model = Qwen3_5MoeForCausalLM(cfg).to(torch.bfloat16)
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).to(torch.bfloat16)
     with torch.no_grad():                 # a spread that keeps the random activations finite and varied
         for p in model.parameters():
             if p.dim() > 1:
@@ -96,23 +99,23 @@ runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def ggufs(hf: Path, folder: Path, formats: list[str]) -> dict[str, Path]:
+def ggufs(hf: Path, folder: Path, formats: list[str], name: str = "moe") -> dict[str, Path]:
     """The BF16 GGUF by llama.cpp's converter, and the quantized ones `formats` name by its quantizer."""
-    bf16 = folder / "moe-BF16.gguf"
+    bf16 = folder / f"{name}-BF16.gguf"
     if not bf16.exists():
         src = llama_source(folder)
-        part = folder / "moe-BF16.partial.gguf"
+        part = folder / f"{name}-BF16.partial.gguf"
         subprocess.run([sys.executable, "-c", CONVERT.format(src=str(src), hf=str(hf), out=str(part))], check=True)
         part.replace(bf16)
     files = {"BF16": bf16}
     for fmt in formats:
         if fmt == "BF16":
             continue
-        files[fmt] = out = folder / f"moe-{fmt}.gguf"
+        files[fmt] = out = folder / f"{name}-{fmt}.gguf"
         if out.exists():
             continue
         import llama_cpp
-        part = folder / f"moe-{fmt}.partial.gguf"
+        part = folder / f"{name}-{fmt}.partial.gguf"
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{fmt}")
         params.nthread = torch.get_num_threads()
@@ -137,27 +140,12 @@ def no_extra_buffers() -> None:
     module.llama_cpp.llama_model_default_params = params
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--only", default=",".join(ROWS))
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "moe_shape.json"))
-    args = ap.parse_args()
-    from engine import hardware
-    amx = "amx_tile" in hardware.cpu_flags()
-    if amx:
-        no_extra_buffers()
-    from llama_cpp import Llama, __version__ as llama_version
-    cache = checkpoint.default_cache_dir()
-    folder = cache / f"moe-shape-{args.layers}"
-    folder.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    hf = build(folder, args.layers)
-    only = [r for r in args.only.split(",") if r]
-    files = ggufs(hf, folder, [ROWS[r][1] for r in only])
-    print(f"model and GGUFs ready in {time.perf_counter() - t0:.0f} s", flush=True)
+def race(hf: Path, files: dict, only: list[str], cache: Path, rounds: int, tokens: int,
+         modules: bool = False) -> tuple[list, dict, list]:
+    """One row a format: ours against llama.cpp (and, with `modules`, ours with
+    LOCALCHAT_HYBRID_KERNEL=off: transformers' modules), interleaved; the rows, the samples
+    and the read rates measured around each row."""
+    from llama_cpp import Llama
     shape = ModelShape.from_checkpoint(hf)
     threads = torch.get_num_threads()
     out_rows, samples_all, rates = [], {}, []
@@ -168,25 +156,67 @@ def main() -> None:
                     n_threads_batch=threads, verbose=False)
         ids = render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])
         contenders = {f"ours {r}": (ours_once, eng), f"llama.cpp {fmt}": (llama_once, llm)}
-        samples, bw, fig = interleaved(contenders, ids, args.tokens, -1, args.rounds)
+        if modules:
+            os.environ["LOCALCHAT_HYBRID_KERNEL"] = "off"
+            contenders[f"modules {r}"] = (ours_once, open_ours({"model": str(hf), **kw}, cache))
+            del os.environ["LOCALCHAT_HYBRID_KERNEL"]
+        samples, bw, fig = interleaved(contenders, ids, tokens, -1, rounds)
         ours, peer = fig(f"ours {r}"), fig(f"llama.cpp {fmt}")
         weights = {"q4": "int4", "q8": "int8"}.get(r, "exact")
+        read = shape.read_bytes(weights)
+        desc = eng.describe()
         row = {"row": r, "llama_format": fmt, "ours": ours, "llama_cpp": peer,
                "decode_ratio": round(ours["decode_tps"] / peer["decode_tps"], 3),
                "prefill_ratio": round(ours["prefill_tps"] / peer["prefill_tps"], 3),
-               "read_per_token_gb": round(shape.read_bytes(weights) / 1e9, 3),
+               "read_per_token_gb": round(read / 1e9, 3),
                "weights_gb": round(shape.weight_bytes(weights) / 1e9, 3),
-               "experts": eng.describe().get("experts", "")}
-        # the read bound: bytes a token reads over the read rate measured around the row
-        row["ours_of_read_bound"] = round(ours["decode_tps"] * shape.read_bytes(weights) / min(bw), 3)
+               **{k: desc[k] for k in ("experts", "hybrid_layers") if k in desc},
+               # the read bound: bytes a token reads over the read rate measured around the row
+               "ours_of_read_bound": round(ours["decode_tps"] * read / min(bw), 3),
+               "llama_cpp_of_read_bound": round(peer["decode_tps"] * read / min(bw), 3)}
+        if modules:
+            mods = fig(f"modules {r}")
+            row |= {"modules": mods, "decode_vs_modules": round(ours["decode_tps"] / mods["decode_tps"], 3),
+                    "prefill_vs_modules": round(ours["prefill_tps"] / mods["prefill_tps"], 3)}
         out_rows.append(row)
         rates += [round(b / 1e9, 1) for b in bw]
         samples_all.update({k: [list(map(lambda v: round(v, 2), x)) for x in s] for k, s in samples.items()})
         print(f"{r:5s} decode ours {ours['decode_tps']:6.2f} llama.cpp {peer['decode_tps']:6.2f} "
-              f"({row['decode_ratio']:.2f}x)  prefill ours {ours['prefill_tps']:6.1f} "
-              f"llama.cpp {peer['prefill_tps']:6.1f} ({row['prefill_ratio']:.2f}x)", flush=True)
+              f"({row['decode_ratio']:.2f}x, ours {row['ours_of_read_bound']:.2f} of the read bound)  "
+              f"prefill ours {ours['prefill_tps']:6.1f} llama.cpp {peer['prefill_tps']:6.1f} "
+              f"({row['prefill_ratio']:.2f}x)" + (f"  against the modules: decode {row['decode_vs_modules']:.2f}x"
+                                                  if modules else ""), flush=True)
         del eng, llm, contenders
         gc.collect()
+    return out_rows, samples_all, rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--only", default=",".join(ROWS))
+    ap.add_argument("--modules", action="store_true",
+                    help="also ours with LOCALCHAT_HYBRID_KERNEL=off (transformers' modules), interleaved")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "moe_shape.json"))
+    args = ap.parse_args()
+    from engine import hardware
+    amx = "amx_tile" in hardware.cpu_flags()
+    if amx:
+        no_extra_buffers()
+    from llama_cpp import __version__ as llama_version
+    cache = checkpoint.default_cache_dir()
+    folder = cache / f"moe-shape-{args.layers}"
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    hf = build(folder, args.layers)
+    only = [r for r in args.only.split(",") if r]
+    files = ggufs(hf, folder, [ROWS[r][1] for r in only])
+    print(f"model and GGUFs ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    shape = ModelShape.from_checkpoint(hf)
+    threads = torch.get_num_threads()
+    out_rows, samples_all, rates = race(hf, files, only, cache, args.rounds, args.tokens, args.modules)
     write_json(args.out, {
         "benchmark": "moe_shape", "model": f"Qwen3.5-35B-A3B layer shape, {args.layers} of 40 layers, random bf16, "
                                            "demo tokenizer", "shape": SHAPE, "layers": args.layers,
