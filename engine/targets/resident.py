@@ -110,8 +110,10 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
         model_type = json.loads((path / "config.json").read_text()).get("model_type", "?")
         raise UnsupportedModel(f"{path}: architecture {model_type!r} is not supported by this "
                                f"transformers version ({exc.__class__.__name__}); pick another model") from None
-    if getattr(config.get_text_config(), "num_experts", None):
-        # a mixture: its experts fused while they are read, one copy of the weights at any time
+    text = config.get_text_config()
+    if getattr(text, "num_experts", None) or "linear" in hf_forward.layer_kinds(text):
+        # a mixture (its experts fused while they are read) or a hybrid: one copy of the
+        # weights at any time, where from_pretrained held the mapped files and the model
         from .module_exact import load_exact
         model = load_exact(path, config, device, dtype)
         return ResidentTarget(model, device, dtype, fast=fast)
