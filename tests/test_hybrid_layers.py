@@ -1,7 +1,7 @@
 """Qwen3.5's decoder layers in C (engine/models/hybrid_layers.py, kernels/hybrid_body.h):
 they run the one-token steps and verify passes of dense and mixture-of-experts Qwen3.5
-models; a verify pass's rows are one-token steps bit for bit at every width, in float32 and
-bfloat16, at 1 and 2 threads; the logits are close to transformers' own layers (the bound is
+models and of Qwen3-Next; a verify pass's rows are one-token steps bit for bit at every
+width, in float32, bfloat16, int8 and int4, at 1 and 2 threads; the logits are close to transformers' own layers (the bound is
 derived below); prefill and other families keep transformers' modules, and describe() says so.
 
 Greedy equality with generate() and speculative equality with plain decoding in every
@@ -17,7 +17,7 @@ IDS = list(range(5, 30))
 DRAFTS = [40, 41, 42, 43, 44, 45]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def family(request):
     return request.param
 
@@ -131,9 +131,9 @@ def test_prefill_and_other_families_keep_transformers_modules(tmp_path, tokenize
     with torch.inference_mode():
         eng.target.forward(IDS)
     assert count.n == 0                         # a prefill: transformers' modules
-    nxt = engine.open(str(build_model(tmp_path / "b", "qwen3_next", layers=4, tokenizer=tokenizer, seed=6)),
-                      drafter="none")
-    assert "transformers' modules" in nxt.describe()["hybrid_layers"]
+    lfm2 = engine.open(str(build_model(tmp_path / "b", "lfm2", layers=4, tokenizer=tokenizer, seed=6)),
+                       drafter="none")
+    assert lfm2.describe()["hybrid_layers"] == "the hybrid layers of lfm2 run transformers' modules"
 
 
 @pytest.mark.parametrize("profile", ["resident-int8", "resident-int4"])

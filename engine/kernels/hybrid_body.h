@@ -47,13 +47,22 @@ static void FN(hyb_mlp)(const HybridWeights *w, const HybridShape *s, ELEM *h, i
     for (int64_t i = 0; i < (int64_t)T * hid; i++) h[i] = ST(LD(h[i]) + LD(y[i]));
 }
 
+/* the elements a row of a mixer's own scratch takes: the attention's q and gate, k, v and
+ * output; or the delta-net's b and a, and its grouped projections (Qwen3-Next: q, k, v, z;
+ * b, a) */
+static int64_t FN(mix_elems)(const HybridShape *s) {
+    int64_t hd = (int64_t)s->heads * s->head_dim, kvd = (int64_t)s->kv_heads * s->head_dim;
+    int64_t attn = 2 * hd + 2 * kvd + hd;
+    int64_t delta = 2 * (int64_t)s->Hk * s->Dk + 2 * (int64_t)s->Hv * s->Dv + 4 * (int64_t)s->Hv;
+    return attn > delta ? attn : delta;
+}
+
 /* the scratch a pass of T rows needs, either layer kind: elements, the quantized products'
  * scratch, and each thread's attention scores over `context` keys */
 int64_t FN(hybrid_scratch_bytes)(const HybridShape *s, int T, int context, int threads) {
-    int64_t hd = (int64_t)s->heads * s->head_dim, kvd = (int64_t)s->kv_heads * s->head_dim;
-    int64_t mix = 2 * hd + 2 * kvd + hd;                        /* q and gate, k, v, attention */
+    int64_t hd = (int64_t)s->heads * s->head_dim;
+    int64_t mix = FN(mix_elems)(s);
     int64_t vd = (int64_t)s->Hv * s->Dv;
-    if (vd > mix) mix = vd;
     int64_t elems = (int64_t)T * (2 * s->hidden + mix + 3 * (int64_t)s->inter);
     int64_t k = s->hidden > s->inter ? s->hidden : s->inter;
     k = k > hd ? k : hd;
@@ -65,9 +74,8 @@ int64_t FN(hybrid_scratch_bytes)(const HybridShape *s, int T, int context, int t
 /* the scratch's parts: x [T, hid], y [T, hid], mix [T, ...], gu [T, 2I], act [T, I], q4s, scores */
 #define HYB_PARTS                                                                                   \
     const int hid = s->hidden, I = s->inter;                                                       \
-    int64_t hd_ = (int64_t)s->heads * s->head_dim, kvd_ = (int64_t)s->kv_heads * s->head_dim;      \
-    int64_t mix_ = 2 * hd_ + 2 * kvd_ + hd_, vd_ = (int64_t)s->Hv * s->Dv;                         \
-    if (vd_ > mix_) mix_ = vd_;                                                                    \
+    int64_t hd_ = (int64_t)s->heads * s->head_dim, vd_ = (int64_t)s->Hv * s->Dv;                   \
+    int64_t mix_ = FN(mix_elems)(s);                                                               \
     ELEM *x = (ELEM *)scratch, *y = x + (int64_t)T * hid, *mix = y + (int64_t)T * hid;             \
     ELEM *gu = mix + (int64_t)T * mix_, *act = gu + (int64_t)T * 2 * I;                            \
     int64_t kq_ = hid > I ? hid : I;                                                               \
@@ -132,17 +140,39 @@ void FN(hyb_attn)(const HybridWeights *w, const HybridShape *s, ELEM *h, int T, 
 /* A gated delta-net layer's first half over h [T, hid] (not written): x = rms1p(h, ln1) and
  * its projections: raw [T, conv channels] (q, k, v before the conv), z [T, Hv*Dv], beta
  * [T, Hv] = sigmoid(x W_b) rounded, and g [T, Hv] float32 = a_neg * softplus(x W_a + dt_bias)
- * (a_neg = -exp(A_log) in float32; softplus as torch's, x past 20 kept as is). */
+ * (a_neg = -exp(A_log) in float32; softplus as torch's, x past 20 kept as is). Qwen3-Next's
+ * projections come grouped by key head (qkvz: each head's q, k, then its value heads' v and
+ * z; ba: its value heads' b then a) and are regrouped as Qwen3.5's are laid out. */
 void FN(hyb_gdn_in)(const HybridWeights *w, const HybridShape *s, const ELEM *h, int T, ELEM *raw, ELEM *z,
                     ELEM *beta, float *g, void *scratch, int threads) {
     HYB_PARTS
     const int Hv = s->Hv, C = 2 * s->Hk * s->Dk + Hv * s->Dv;
     ELEM *ba = mix;                                    /* [T, Hv] b, then [T, Hv] a */
     for (int r = 0; r < T; r++) FN(rms1p)(h + (int64_t)r * hid, (const ELEM *)w->ln1, x + (int64_t)r * hid, hid, s->eps);
-    FN(product)(x, hid, &w->qkv, NULL, raw, C, T, C, hid, q4s, threads);
-    FN(product)(x, hid, &w->z, NULL, z, Hv * s->Dv, T, Hv * s->Dv, hid, q4s, threads);
-    FN(product)(x, hid, &w->b, NULL, ba, Hv, T, Hv, hid, q4s, threads);
-    FN(product)(x, hid, &w->a, NULL, ba + (int64_t)T * Hv, Hv, T, Hv, hid, q4s, threads);
+    if (w->qkv.w) {
+        FN(product)(x, hid, &w->qkv, NULL, raw, C, T, C, hid, q4s, threads);
+        FN(product)(x, hid, &w->z, NULL, z, Hv * s->Dv, T, Hv * s->Dv, hid, q4s, threads);
+        FN(product)(x, hid, &w->b, NULL, ba, Hv, T, Hv, hid, q4s, threads);
+        FN(product)(x, hid, &w->a, NULL, ba + (int64_t)T * Hv, Hv, T, Hv, hid, q4s, threads);
+    } else {
+        const int Hk = s->Hk, Dk = s->Dk, Dv = s->Dv, rep = Hv / Hk, G = 2 * Dk + 2 * rep * Dv;
+        ELEM *grouped = ba + (int64_t)2 * T * Hv, *gba = grouped + (int64_t)T * Hk * G;
+        FN(product)(x, hid, &w->qkvz, NULL, grouped, Hk * G, T, Hk * G, hid, q4s, threads);
+        FN(product)(x, hid, &w->ba, NULL, gba, 2 * Hv, T, 2 * Hv, hid, q4s, threads);
+        for (int r = 0; r < T; r++) {
+            ELEM *rr = raw + (int64_t)r * C, *zr = z + (int64_t)r * Hv * Dv;
+            for (int g = 0; g < Hk; g++) {
+                const ELEM *src = grouped + ((int64_t)r * Hk + g) * G;
+                memcpy(rr + (int64_t)g * Dk, src, Dk * sizeof(ELEM));
+                memcpy(rr + (int64_t)(Hk + g) * Dk, src + Dk, Dk * sizeof(ELEM));
+                memcpy(rr + 2 * (int64_t)Hk * Dk + (int64_t)g * rep * Dv, src + 2 * Dk, rep * Dv * sizeof(ELEM));
+                memcpy(zr + (int64_t)g * rep * Dv, src + 2 * Dk + rep * Dv, rep * Dv * sizeof(ELEM));
+                const ELEM *sba = gba + (int64_t)r * 2 * Hv + (int64_t)g * 2 * rep;
+                memcpy(ba + (int64_t)r * Hv + (int64_t)g * rep, sba, rep * sizeof(ELEM));
+                memcpy(ba + (int64_t)T * Hv + (int64_t)r * Hv + (int64_t)g * rep, sba + rep, rep * sizeof(ELEM));
+            }
+        }
+    }
     const ELEM *dt = (const ELEM *)w->dt_bias;
     for (int r = 0; r < T; r++)
         for (int j = 0; j < Hv; j++) {

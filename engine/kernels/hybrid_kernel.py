@@ -17,7 +17,7 @@ from . import gdn_kernel, layer_kernel
 
 _Mat = layer_kernel._Mat
 VECTORS = ("ln1", "ln2", "q_norm", "k_norm", "norm", "dt_bias", "a_neg")
-MATRICES = ("q", "k", "v", "o", "qkv", "z", "b", "a", "out", "gate", "up", "down")
+MATRICES = ("q", "k", "v", "o", "qkv", "z", "b", "a", "out", "gate", "up", "down", "qkvz", "ba")
 
 
 class Weights(ctypes.Structure):

@@ -44,6 +44,7 @@ typedef struct {
     const void *ln1, *ln2, *q_norm, *k_norm, *norm, *dt_bias;
     const float *a_neg;               /* -exp(A_log), float32 */
     Mat q, k, v, o, qkv, z, b, a, out, gate, up, down;
+    Mat qkvz, ba;                     /* Qwen3-Next's in-projections, grouped by key head (qkv.w NULL) */
     void *k_cache, *v_cache;          /* [kv_heads, capacity, head_dim] each */
 } HybridWeights;
 

@@ -1,4 +1,4 @@
-"""Qwen3.5's decoder layers (dense and mixture of experts) through kernels/hybrid_kernel.py
+"""Qwen3.5's decoder layers (dense and mixture of experts) and Qwen3-Next's through kernels/hybrid_kernel.py
 for the passes whose rows must be one-token steps: one-token steps and verify passes.
 
 Each decoder layer's forward is wrapped: such a pass runs the C layer over the layer's own
@@ -22,7 +22,7 @@ from torch import nn
 from ..kernels import hybrid_kernel
 from ..kernels.hybrid_kernel import Shape, Weights, mat
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe")      # modeling modules whose layers hybrid_body.h computes
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")      # modeling modules whose layers hybrid_body.h computes
 MAX_DIM = 512
 
 
@@ -156,7 +156,9 @@ class HybridLayers:
         # so one-token steps must be too
         window, state = lay.conv_states[0], lay.recurrent_states[0]
         verifying = self.fwd.cache.verifying
-        ws = _matrices(dt, mod.in_proj_qkv, mod.in_proj_z, mod.in_proj_b, mod.in_proj_a, mod.out_proj)
+        grouped = hasattr(mod, "in_proj_qkvz")            # Qwen3-Next
+        ws = (_matrices(dt, mod.in_proj_qkvz, mod.in_proj_ba, mod.out_proj) if grouped else
+              _matrices(dt, mod.in_proj_qkv, mod.in_proj_z, mod.in_proj_b, mod.in_proj_a, mod.out_proj))
         if (rep is None or ws is None or not _plain(window, dt) or not _plain(state, torch.float32)
                 or not _plain(mod.conv1d.weight, dt) or not _plain(mod.norm.weight, dt)):
             return False
@@ -164,7 +166,10 @@ class HybridLayers:
         if not self._mlp(d, layer):
             return False
         d.ln1 = layer.input_layernorm.weight.data_ptr()
-        d.qkv, d.z, d.b, d.a, d.out = (mat(w) for w in ws)
+        if grouped:
+            d.qkvz, d.ba, d.out = (mat(w) for w in ws)
+        else:
+            d.qkv, d.z, d.b, d.a, d.out = (mat(w) for w in ws)
         d.norm, d.dt_bias = mod.norm.weight.data_ptr(), mod.dt_bias.data_ptr()
         a_neg = self._a_neg.get(id(mod))          # a module always holds its own layer's A_log
         if a_neg is None:
@@ -216,14 +221,15 @@ def ctypes_ref(s) -> int:
 
 
 def install(fwd, dtype: torch.dtype) -> str:
-    """Wrap `fwd`'s Qwen3.5 decoder layers; a note for describe() ('' for other models)."""
-    layers = [m for m in fwd.model.modules() if type(m).__name__.endswith("DecoderLayer")
-              and (hasattr(m, "linear_attn") or hasattr(m, "self_attn"))]
-    family = {type(m).__module__.rsplit(".", 1)[-1].removeprefix("modeling_") for m in layers}
-    if not layers or not any(hasattr(m, "linear_attn") for m in layers):
-        return ""
+    """Wrap `fwd`'s Qwen3.5 or Qwen3-Next decoder layers; a note for describe() ('' for a
+    model without recurrent layers)."""
+    decoder = [m for m in fwd.model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not getattr(fwd.cache, "states", None) or not decoder:
+        return ""                               # not a hybrid
+    family = {type(m).__module__.rsplit(".", 1)[-1].removeprefix("modeling_") for m in decoder}
     if not family <= set(FAMILIES):
         return f"the hybrid layers of {', '.join(sorted(family))} run transformers' modules"
+    layers = decoder
     why = hybrid_kernel.why_not(dtype) if fwd.cache.device.type == "cpu" else "not on the CPU"
     if os.environ.get("LOCALCHAT_HYBRID_KERNEL", "").lower() in ("off", "0", "no", "false"):
         why = "turned off (LOCALCHAT_HYBRID_KERNEL=off)"
@@ -233,5 +239,6 @@ def install(fwd, dtype: torch.dtype) -> str:
     if why:
         return f"the hybrid layers run transformers' modules ({why})"
     HybridLayers(fwd, layers, dtype)
-    return (f"one-token steps and verify passes run the {len(layers)} hybrid layers in C "
-            "(where their weights are held as the kernels read them: dense, int8, bf16's int4; a prefill runs transformers' modules)")
+    return (f"one-token steps and verify passes run the {len(layers)} hybrid layers in C (where their "
+            "weights are held as the kernels read them: dense, int8, bf16's int4; a prefill runs "
+            "transformers' modules)")
