@@ -148,3 +148,17 @@ def test_quantized_weights_run_in_the_layers_and_rows_stay_steps(family, profile
             steps, rows = _steps_and_verify(eng, width)
             assert torch.equal(steps, rows), width
     assert count.n == 4 * (1 + 3 + 6 + 3)
+
+
+def test_streamed_layers_run_in_c_as_resident_ones(tmp_path, tokenizer, monkeypatch):
+    """A streamed hybrid's layers, bound to their slots as they run, take the same C calls:
+    its answer is the resident model's token for token (tests/test_hybrid_streamed.py
+    compares their logits bit for bit)."""
+    path = build_model(tmp_path, "qwen3_5", layers=4, tokenizer=tokenizer, seed=8)
+    resident = list(engine.open(str(path), drafter="none").chat().send("hello there", max_new_tokens=12))[-1]
+    count = _Count(monkeypatch)
+    streamed = engine.open(str(path), drafter="none", profile="streamed-exact")
+    done = list(streamed.chat().send("hello there", max_new_tokens=12))[-1]
+    assert streamed.plan.chosen == "streamed-exact"
+    assert list(done.token_ids) == list(resident.token_ids)
+    assert count.n == 4 * (len(done.token_ids) - 1)
