@@ -1,8 +1,9 @@
 """Qwen3.5's decoder layers in C (engine/models/hybrid_layers.py, kernels/hybrid_body.h):
 they run the one-token steps and verify passes of dense and mixture-of-experts Qwen3.5
 models and of Qwen3-Next; a verify pass's rows are one-token steps bit for bit at every
-width, in float32, bfloat16, int8 and int4, at 1 and 2 threads; the logits are close to transformers' own layers (the bound is
-derived below); prefill and other families keep transformers' modules, and describe() says so.
+width, in float32, bfloat16, int8 and int4, at 1 and 2 threads; the logits are close to
+transformers' own layers (the bound is derived below); a streamed hybrid runs the same calls;
+prefill and LFM2 keep transformers' modules, and describe() says so.
 
 Greedy equality with generate() and speculative equality with plain decoding in every
 profile run through these layers in tests/test_hybrid.py and tests/test_hybrid_speculative.py."""

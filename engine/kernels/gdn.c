@@ -32,8 +32,8 @@ static inline void st(void *p, int64_t i, float v, int bf16) {
 /* The depthwise causal conv of T new columns: x [T, C] (row stride ldx), window [C, K] (the
  * last K inputs, oldest first; updated in place), w [C, K]; out [T, C] = SiLU(conv) when silu,
  * else the conv, each rounded to the type (the conv's float32 sum once, then the SiLU). */
-__attribute__((noinline)) void gdn_conv(const void *x, int64_t ldx, void *window, const void *w, void *out, int T, int C, int K,
-              int silu, int bf16, int threads) {
+__attribute__((noinline)) void gdn_conv(const void *x, int64_t ldx, void *window, const void *w, void *out,
+                                        int T, int C, int K, int silu, int bf16, int threads) {
     /* a channel is one thread's whole job */
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int c = 0; c < C; c++)

@@ -39,7 +39,8 @@ static inline float FN(sigmoid)(float v) { return 1.f / (1.f + expf(-v)); }
 static void FN(hyb_mlp)(const HybridWeights *w, const HybridShape *s, ELEM *h, int T, ELEM *x, ELEM *gu,
                         ELEM *act, ELEM *y, void *q4s, int threads) {
     const int hid = s->hidden, I = s->inter;
-    for (int r = 0; r < T; r++) FN(rms1p)(h + (int64_t)r * hid, (const ELEM *)w->ln2, x + (int64_t)r * hid, hid, s->eps);
+    for (int r = 0; r < T; r++)
+        FN(rms1p)(h + (int64_t)r * hid, (const ELEM *)w->ln2, x + (int64_t)r * hid, hid, s->eps);
     FN(product)(x, hid, &w->gate, NULL, gu, 2 * I, T, I, hid, q4s, threads);
     FN(product)(x, hid, &w->up, NULL, gu + I, 2 * I, T, I, hid, q4s, threads);
     FN(swiglu)(gu, act, T, I);
@@ -97,7 +98,8 @@ void FN(hyb_attn)(const HybridWeights *w, const HybridShape *s, ELEM *h, int T, 
     ELEM *att = vv + (int64_t)T * KV * D;
     const int ctx = pos + T;
 
-    for (int r = 0; r < T; r++) FN(rms1p)(h + (int64_t)r * hid, (const ELEM *)w->ln1, x + (int64_t)r * hid, hid, s->eps);
+    for (int r = 0; r < T; r++)
+        FN(rms1p)(h + (int64_t)r * hid, (const ELEM *)w->ln1, x + (int64_t)r * hid, hid, s->eps);
     FN(product)(x, hid, &w->q, NULL, qg, 2 * H * D, T, 2 * H * D, hid, q4s, threads);
     FN(product)(x, hid, &w->k, NULL, kk, KV * D, T, KV * D, hid, q4s, threads);
     FN(product)(x, hid, &w->v, NULL, vv, KV * D, T, KV * D, hid, q4s, threads);
@@ -148,7 +150,8 @@ void FN(hyb_gdn_in)(const HybridWeights *w, const HybridShape *s, const ELEM *h,
     HYB_PARTS
     const int Hv = s->Hv, C = 2 * s->Hk * s->Dk + Hv * s->Dv;
     ELEM *ba = mix;                                    /* [T, Hv] b, then [T, Hv] a */
-    for (int r = 0; r < T; r++) FN(rms1p)(h + (int64_t)r * hid, (const ELEM *)w->ln1, x + (int64_t)r * hid, hid, s->eps);
+    for (int r = 0; r < T; r++)
+        FN(rms1p)(h + (int64_t)r * hid, (const ELEM *)w->ln1, x + (int64_t)r * hid, hid, s->eps);
     if (w->qkv.w) {
         FN(product)(x, hid, &w->qkv, NULL, raw, C, T, C, hid, q4s, threads);
         FN(product)(x, hid, &w->z, NULL, z, Hv * s->Dv, T, Hv * s->Dv, hid, q4s, threads);

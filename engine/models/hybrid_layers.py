@@ -19,7 +19,7 @@ import threading
 import torch
 from torch import nn
 
-from ..kernels import hybrid_kernel
+from ..kernels import gdn_kernel, hybrid_kernel
 from ..kernels.hybrid_kernel import Shape, Weights, mat
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")      # modeling modules whose layers hybrid_body.h computes
@@ -100,7 +100,7 @@ class HybridLayers:
         if not hasattr(mlp, "gate_proj"):
             return True                        # a sparse block: the module runs it
         ws = _matrices(self.dtype, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        if ws is None:
+        if ws is None or mlp.gate_proj.out_features != self.shape["inter"]:
             return False
         d.gate, d.up, d.down = (mat(w) for w in ws)
         return True
@@ -129,7 +129,8 @@ class HybridLayers:
         kc, vc = cache.k[kv], cache.v[kv]
         cos, sin = kw["position_embeddings"]
         ws = _matrices(dt, att.q_proj, att.k_proj, att.v_proj, att.o_proj)
-        if not (ws is not None and _plain(kc, dt) and _plain(vc, dt) and cos.dtype == dt and pos + T <= kc.shape[2]):
+        if not (ws is not None and _plain(kc, dt) and _plain(vc, dt) and cos.dtype == dt
+                and cos.shape[-1] == self.shape["rot"] and pos + T <= kc.shape[2]):
             return False
         d = Weights()
         if not self._mlp(d, layer):
@@ -234,7 +235,10 @@ def install(fwd, dtype: torch.dtype) -> str:
     if os.environ.get("LOCALCHAT_HYBRID_KERNEL", "").lower() in ("off", "0", "no", "false"):
         why = "turned off (LOCALCHAT_HYBRID_KERNEL=off)"
     attn = next((m.self_attn for m in layers if hasattr(m, "self_attn")), None)
-    if not why and (attn is None or attn.head_dim > MAX_DIM or fwd.cache.dtype != dtype):
+    gdn = next((m.linear_attn for m in layers if hasattr(m, "linear_attn")), None)
+    if not why and (attn is None or gdn is None or attn.head_dim > MAX_DIM or fwd.cache.dtype != dtype
+                    or max(gdn.head_k_dim, gdn.head_v_dim) > gdn_kernel.MAX_DIM
+                    or gdn.num_v_heads % gdn.num_k_heads):
         why = "a layer shape the kernels do not take"
     if why:
         return f"the hybrid layers run transformers' modules ({why})"
