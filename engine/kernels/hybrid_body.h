@@ -64,8 +64,9 @@ int64_t FN(hybrid_scratch_bytes)(const HybridShape *s, int T, int context, int t
     int64_t hd = (int64_t)s->heads * s->head_dim;
     int64_t mix = FN(mix_elems)(s);
     int64_t vd = (int64_t)s->Hv * s->Dv;
-    int64_t elems = (int64_t)T * (2 * s->hidden + mix + 3 * (int64_t)s->inter);
-    int64_t k = s->hidden > s->inter ? s->hidden : s->inter;
+    int64_t inter = s->inter > s->shared_inter ? s->inter : s->shared_inter;
+    int64_t elems = (int64_t)T * (2 * s->hidden + mix + 3 * inter);
+    int64_t k = s->hidden > inter ? s->hidden : inter;
     k = k > hd ? k : hd;
     k = k > vd ? k : vd;
     int64_t quant = (int64_t)T * k * 4 + (int64_t)T * (k / 32) * 4 + 256;
@@ -74,7 +75,7 @@ int64_t FN(hybrid_scratch_bytes)(const HybridShape *s, int T, int context, int t
 
 /* the scratch's parts: x [T, hid], y [T, hid], mix [T, ...], gu [T, 2I], act [T, I], q4s, scores */
 #define HYB_PARTS                                                                                   \
-    const int hid = s->hidden, I = s->inter;                                                       \
+    const int hid = s->hidden, I = s->inter > s->shared_inter ? s->inter : s->shared_inter;        \
     int64_t hd_ = (int64_t)s->heads * s->head_dim, vd_ = (int64_t)s->Hv * s->Dv;                   \
     int64_t mix_ = FN(mix_elems)(s);                                                               \
     ELEM *x = (ELEM *)scratch, *y = x + (int64_t)T * hid, *mix = y + (int64_t)T * hid;             \
@@ -210,5 +211,25 @@ void FN(hyb_gdn_out)(const HybridWeights *w, const HybridShape *s, ELEM *h, int 
     FN(product)(o, Hv * Dv, &w->out, NULL, y, hid, T, hid, Hv * Dv, q4s, threads);
     for (int64_t i = 0; i < (int64_t)T * hid; i++) h[i] = ST(LD(h[i]) + LD(y[i]));
     if (w->gate.w) FN(hyb_mlp)(w, s, h, T, x, gu, act, y, q4s, threads);
+}
+/* A sparse block's half but its routed experts: x [T, hid] = rms1p(h, ln2) (h not written),
+ * and shared [T, hid] = sigmoid(x W_score) * SwiGLU expert(x), the gate and the product
+ * each rounded. The caller routes x, runs the experts, and adds: h + (experts + shared). */
+void FN(hyb_moe_in)(const HybridWeights *w, const HybridShape *s, const ELEM *h, int T, ELEM *xo, ELEM *shared,
+                    void *scratch, int threads) {
+    HYB_PARTS
+    const int SI = s->shared_inter;
+    ELEM *score = mix;
+    for (int r = 0; r < T; r++)
+        FN(rms1p)(h + (int64_t)r * hid, (const ELEM *)w->ln2, xo + (int64_t)r * hid, hid, s->eps);
+    FN(product)(xo, hid, &w->se_gate, NULL, gu, 2 * SI, T, SI, hid, q4s, threads);
+    FN(product)(xo, hid, &w->se_up, NULL, gu + SI, 2 * SI, T, SI, hid, q4s, threads);
+    FN(swiglu)(gu, act, T, SI);
+    FN(product)(act, SI, &w->se_down, NULL, y, hid, T, hid, SI, q4s, threads);
+    FN(product)(xo, hid, &w->se_score, NULL, score, 1, T, 1, hid, q4s, threads);
+    for (int r = 0; r < T; r++) {
+        float g = LD(ST(FN(sigmoid)(LD(score[r]))));
+        for (int i = 0; i < hid; i++) shared[(int64_t)r * hid + i] = ST(g * LD(y[(int64_t)r * hid + i]));
+    }
 }
 #undef HYB_PARTS

@@ -2,7 +2,8 @@
 hybrid_body.h): a gated attention layer in one call; a gated delta-net layer in three, its
 projections, then its conv and recurrence (gdn.c's gdn_step: the functions the replay of
 accepted updates calls, so the bits are theirs), then its gated norm and out-projection. The
-dense MLP runs in the same call as the layer's second half.
+dense MLP runs in the same call as the layer's second half; a sparse block's norm and shared
+expert in one more (its routed experts are the experts kernel's).
 
 Why: through transformers' modules a Qwen3.5-2B-shaped one-token step spent a quarter of
 its time between the products (some 40 torch operations a layer); the products already ran
@@ -17,7 +18,8 @@ from . import gdn_kernel, layer_kernel
 
 _Mat = layer_kernel._Mat
 VECTORS = ("ln1", "ln2", "q_norm", "k_norm", "norm", "dt_bias", "a_neg")
-MATRICES = ("q", "k", "v", "o", "qkv", "z", "b", "a", "out", "gate", "up", "down", "qkvz", "ba")
+MATRICES = ("q", "k", "v", "o", "qkv", "z", "b", "a", "out", "gate", "up", "down", "qkvz", "ba",
+            "se_gate", "se_up", "se_down", "se_score")
 
 
 class Weights(ctypes.Structure):
@@ -26,8 +28,8 @@ class Weights(ctypes.Structure):
 
 
 class Shape(ctypes.Structure):
-    _fields_ = ([(name, ctypes.c_int) for name in ("hidden", "inter", "heads", "kv_heads", "head_dim", "rot",
-                                                     "Hk", "Hv", "Dk", "Dv")]
+    _fields_ = ([(name, ctypes.c_int) for name in ("hidden", "inter", "shared_inter", "heads", "kv_heads",
+                                                     "head_dim", "rot", "Hk", "Hv", "Dk", "Dv")]
                 + [("capacity", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)])
 
 
@@ -48,7 +50,9 @@ class Library:
         self.gdn_in.argtypes = [P, P, P, I, P, P, P, P, P, I]
         self.gdn_out = getattr(lib, f"hyb_gdn_out_{sfx}")
         self.gdn_out.argtypes = [P, P, P, I, P, P, P, I]
-        for fn in (self.attn, self.gdn_in, self.gdn_out):
+        self.moe_in = getattr(lib, f"hyb_moe_in_{sfx}")
+        self.moe_in.argtypes = [P, P, P, I, P, P, P, I]
+        for fn in (self.attn, self.gdn_in, self.gdn_out, self.moe_in):
             fn.restype = None
         self.scratch_bytes = getattr(lib, f"hybrid_scratch_bytes_{sfx}")
         self.scratch_bytes.restype = ctypes.c_int64

@@ -45,11 +45,12 @@ typedef struct {
     const float *a_neg;               /* -exp(A_log), float32 */
     Mat q, k, v, o, qkv, z, b, a, out, gate, up, down;
     Mat qkvz, ba;                     /* Qwen3-Next's in-projections, grouped by key head (qkv.w NULL) */
+    Mat se_gate, se_up, se_down, se_score;   /* a sparse block's shared expert and its gate [1, hidden] */
     void *k_cache, *v_cache;          /* [kv_heads, capacity, head_dim] each */
 } HybridWeights;
 
 typedef struct {
-    int hidden, inter, heads, kv_heads, head_dim, rot, Hk, Hv, Dk, Dv;
+    int hidden, inter, shared_inter, heads, kv_heads, head_dim, rot, Hk, Hv, Dk, Dv;
     int64_t capacity;
     float eps, scale;
 } HybridShape;

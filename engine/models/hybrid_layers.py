@@ -8,7 +8,8 @@ whose weights are not held as the kernels read them) runs transformers' forward.
 pass of a gated delta-net layer steps from the committed state into working copies and
 records each position's inputs to the recurrence into the layer's replay buffer, as
 models/replay.py's verify forward does, so the replay that settles the round is unchanged.
-A mixture-of-experts layer's MLP half stays the module's (models/moe.py's experts kernel).
+A mixture-of-experts layer's second half runs its norm and shared expert (with the expert's
+sigmoid gate) in one more C call; the router and the routed experts are models/moe.py's.
 `LOCALCHAT_HYBRID_KERNEL=off` keeps transformers' modules everywhere, for comparisons."""
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ class HybridLayers:
         D = attn.head_dim
         rot = int(D * (cfg.rope_parameters or {}).get("partial_rotary_factor", 1.0))
         dense = next((m.mlp for m in layers if hasattr(m.mlp, "gate_proj")), None)
+        shared = next((m.mlp.shared_expert for m in layers if hasattr(m.mlp, "shared_expert")), None)
         self.shape = dict(hidden=cfg.hidden_size, inter=dense.intermediate_size if dense is not None else 0,
+                          shared_inter=shared.intermediate_size if shared is not None else 0,
                           heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=D, rot=rot,
                           Hk=gdn.num_k_heads, Hv=gdn.num_v_heads, Dk=gdn.head_k_dim, Dv=gdn.head_v_dim,
                           eps=cfg.rms_norm_eps, scale=attn.scaling)
@@ -113,14 +116,26 @@ class HybridLayers:
             s = self._mine.scratch = torch.empty(max(need, 2 * (0 if s is None else s.numel())), dtype=torch.uint8)
         return s
 
-    def _moe_half(self, layer, h: torch.Tensor, T: int) -> None:
-        if hasattr(layer.mlp, "gate_proj"):
+    def _moe_half(self, layer, d: Weights, shape: Shape, h: torch.Tensor, T: int, scratch) -> None:
+        """A sparse block's half of the layer: its norm and shared expert in C where they are
+        held as the kernels read them (the router and the experts kernel on the normed rows),
+        else the modules, each rounding as transformers' block does."""
+        mlp = layer.mlp
+        if hasattr(mlp, "gate_proj"):
+            return                              # a dense MLP: it ran in the layer's call
+        se, score = getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
+        ws = None if se is None or score is None else _matrices(self.dtype, se.gate_proj, se.up_proj, se.down_proj,
+                                                                 score)
+        if ws is None or se.gate_proj.out_features != self.shape["shared_inter"]:
+            y = mlp(layer.post_attention_layernorm(h.view(1, T, -1)))
+            h.add_((y[0] if isinstance(y, tuple) else y).view(T, -1))
             return
-        x = layer.post_attention_layernorm(h.view(1, T, -1))
-        y = layer.mlp(x)
-        if isinstance(y, tuple):
-            y = y[0]
-        h.copy_((h.view(1, T, -1) + y).view(T, -1))
+        d.se_gate, d.se_up, d.se_down, d.se_score = (mat(w) for w in ws)
+        x, shared = torch.empty_like(h), torch.empty_like(h)
+        self.lib.moe_in(ctypes_ref(d), ctypes_ref(shape), h.data_ptr(), T, x.data_ptr(), shared.data_ptr(),
+                        scratch.data_ptr(), torch.get_num_threads())
+        _, weights, chosen = mlp.gate(x)
+        h.add_(mlp.experts(x, chosen, weights).view(T, -1) + shared)
 
     # -- a gated attention layer
     def _attention(self, layer, kv: int, h: torch.Tensor, T: int, kw) -> bool:
@@ -144,7 +159,7 @@ class HybridLayers:
         scratch = self._scratch(shape, T, pos + T)
         self.lib.attn(ctypes_ref(d), ctypes_ref(shape), h.data_ptr(), T, pos, cos.data_ptr(), sin.data_ptr(),
                       scratch.data_ptr(), torch.get_num_threads())
-        self._moe_half(layer, h, T)
+        self._moe_half(layer, d, shape, h, T, scratch)
         return True
 
     # -- a gated delta-net layer
@@ -213,7 +228,7 @@ class HybridLayers:
             rep._slot("raw", raw.t().unsqueeze(0), cap, 2, at)
             rep.positions, rep.final, rep.window = at + T, s_out, window
         self.lib.gdn_out(dr, sr, h.data_ptr(), T, core.data_ptr(), z.data_ptr(), scratch.data_ptr(), threads)
-        self._moe_half(layer, h, T)
+        self._moe_half(layer, d, shape, h, T, scratch)
         return True
 
 

@@ -3,8 +3,8 @@ mixtures through the kernels: the router's logits through the row kernel (a veri
 rows are one-token steps), its softmax and top-k as transformers computes them (ties
 broken as torch.topk breaks them), and the routed experts in one call of C
 (kernels/moe_kernel.py) that reads each hit expert once for every row routed to it. The
-shared expert and its gate are nn.Linear modules: the row kernel runs them as it runs every
-other (hf_forward.py).
+shared expert and its gate run in the hybrid layers' C call where those layers are in C
+(models/hybrid_layers.py); elsewhere they are nn.Linear modules under the row kernel.
 
 A block this does not know keeps transformers' forward; `describe()` says which ran."""
 from __future__ import annotations
