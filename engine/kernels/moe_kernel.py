@@ -37,10 +37,10 @@ def why_not(dtype: torch.dtype) -> str:
         P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         run = getattr(lib, f"moe_{sfx}")
         run.restype = None
-        run.argtypes = [P, I64, P, I64, I, I, I, P, I, P, P, I, P, P, I]
+        run.argtypes = [P, I64, P, P, I64, I, I, I, P, I, P, P, I, P, P, I]
         size = getattr(lib, f"moe_scratch_bytes_{sfx}")
         size.restype = I64
-        size.argtypes = [I, I, I, I, I]
+        size.argtypes = [I, I, I, I, I, I]
         _fns[dtype] = (run, size)
     return ""
 
@@ -51,17 +51,24 @@ class Experts:
     hid] and [E, hid, I]) given with each call (their current data pointers: a streamed
     slot's rebinding is followed), or per-expert packed weights fixed at construction
     (qweights.Int8Weight or Int4Weight in canonical form: layer_kernel._mat describes
-    either)."""
+    either), or per-expert dense matrices as a checkpoint stores them (`split`: gate, up
+    and down lists, say views of the files' memory mapping)."""
 
     def __init__(self, dtype: torch.dtype, num_experts: int, hidden: int, inter: int,
-                 packed: tuple[list, list] | None = None):
+                 packed: tuple[list, list] | None = None, split: tuple[list, list, list] | None = None):
         self.dtype, self.E, self.hid, self.I = dtype, num_experts, hidden, inter
         self._run, self._size = _fns[dtype]
         self._mine = threading.local()          # scratch per thread: engines on two threads never share one
-        self._packed = None
+        self._packed = self._up = None
+        self.expert_bytes = 0                   # split: one expert's three matrices
+        mats = lambda ws: (layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, ws))   # noqa: E731
         if packed is not None:
-            self._packed = ((layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, packed[0])),
-                            (layer_kernel._Mat * num_experts)(*map(layer_kernel._mat, packed[1])))
+            self._packed = (mats(packed[0]), mats(packed[1]))
+        elif split is not None:
+            self._keep = split                  # the tensors the descriptions point into
+            self._packed, self._up = (mats(split[0]), mats(split[2])), mats(split[1])
+            self.expert_bytes = sum(t[0].numel() * t[0].element_size() for t in split)
+        self.hits = 0                           # split: the experts read so far, each once a pass
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  dense: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -71,7 +78,7 @@ class Experts:
         wts = top_k_weights.to(self.dtype).contiguous()
         out = torch.empty(T, self.hid, dtype=self.dtype)
         threads = torch.get_num_threads()
-        need = self._size(T, self.hid, self.I, k, self.E)
+        need = self._size(T, self.hid, self.I, k, self.E, threads)
         scratch = getattr(self._mine, "scratch", None)
         if scratch is None or scratch.numel() < need:
             scratch = self._mine.scratch = torch.empty(need, dtype=torch.uint8)
@@ -83,6 +90,10 @@ class Experts:
         else:
             gu, down = self._packed
             steps = (0, 0)
-        self._run(ctypes.addressof(gu), steps[0], ctypes.addressof(down), steps[1], self.E, self.hid, self.I,
+        up = None
+        if self._up is not None and dense is None:
+            up = ctypes.addressof(self._up)
+            self.hits += int(torch.unique(idx).numel())
+        self._run(ctypes.addressof(gu), steps[0], up, ctypes.addressof(down), steps[1], self.E, self.hid, self.I,
                   x.data_ptr(), T, idx.data_ptr(), wts.data_ptr(), k, out.data_ptr(), scratch.data_ptr(), threads)
         return out
