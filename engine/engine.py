@@ -157,6 +157,8 @@ def _experts_note(eng) -> str:
     """Where a mixture's routed experts run, and how many of their bytes the plan left on disk."""
     note = getattr(getattr(eng.target, "impl", None), "experts_note", "")
     row = eng.plan.row(eng.plan.chosen) if eng.plan and eng.plan.chosen else None
+    if note and getattr(eng.target, "mapped_experts", False):
+        return note + "; streamed: only the experts a pass routes to are read, from the checkpoint's files"
     if note and row is not None and row.mapped_experts:
         placed = getattr(eng.target, "experts_placement", "")
         note += (f"; {placed}, {planner.gb(row.mapped_experts)} from the quantized cache on disk" if placed else

@@ -45,6 +45,7 @@ class Stats:
     pass_seconds: float = 0.0       # mean seconds of a target pass
     bound_pass_seconds: float = 0.0  # the transfer bound of a pass: streamed bytes / tier bandwidth
     compute_threads: str = ""       # how many threads one-token steps ran on, and why (CPU only)
+    expert_bytes: int = 0           # a streamed mixture: routed experts read from the files' mapping
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -180,8 +180,12 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     weights = shape.weight_bytes(p.weights, p.group_size)
     resident, host, disk, streamed = shape.layers, 0, 0, 0
     note = ""
+    # a mixture streamed on a CPU reads its routed experts where they lie in the files
+    # (targets/streamed_modules.expert_views): they are neither units nor in the budget
+    files_experts = (shape.expert_params * shape.dtype_bytes if p.placement == "streamed" and kind == "cpu"
+                     and shape.file_dtype_bytes in (0, shape.dtype_bytes) else 0)
     if p.placement == "streamed":
-        units, fixed_w, embed = streamed_units(shape)
+        units, fixed_w, embed = streamed_units(shape, bool(files_experts))
         host_room = max(0, hw.host_available_bytes - margin) if kind != "cpu" else 0
         # what the loader stages (streamed.placement): a unit's file bytes wherever they are
         # not read straight into the slot (another dtype, or a device copy)
@@ -211,10 +215,19 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
         read = shape.read_bytes(p.weights, p.group_size)
         seconds = (read - from_disk) / device_bw + from_disk / bw["disk"]
     else:
-        # a streamed layer is moved whole, every expert of it
+        # a streamed layer is moved whole (on a device: every expert of it)
         read = place.resident_bytes + place.streamed_bytes
         seconds = (read / device_bw + place.host_streamed_bytes / bw["host_to_device"]
                    + place.disk_streamed_bytes / bw["disk"])
+        if files_experts:
+            # the routed experts, from the page cache as far as the memory the plan leaves
+            # free holds them, else from disk
+            routed = int(files_experts * shape.expert_fraction(1))
+            cached = min(files_experts, max(0, budget - total))
+            from_disk = int(routed * (1 - cached / files_experts))
+            read += routed
+            seconds += (routed - from_disk) / device_bw + from_disk / bw["disk"]
+            mapped, kept = files_experts, cached
     return PlanRow(p.name, p.summary, weights, kv, draft_bytes, act, runtime, margin, total, budget, fits,
                    context, int(max_context), resident, host, disk, streamed,
                    1.0 / seconds if seconds > 0 else 0.0, note, state, read, mapped, from_disk,
@@ -254,13 +267,15 @@ def _mapped_experts(shape: ModelShape, p: Profile, short: int, device_bw: float,
     return mapped, from_disk, experts - mapped
 
 
-def streamed_units(shape: ModelShape) -> tuple[list[int], int, int]:
+def streamed_units(shape: ModelShape, without_experts: bool = False) -> tuple[list[int], int, int]:
     """The bytes of the units a streamed target moves (decoder layers, then the output head
     in chunks of about a layer), the bytes always kept (final norm), and the embedding's
-    bytes when it is a separate matrix (0 when tied to the head)."""
+    bytes when it is a separate matrix (0 when tied to the head). `without_experts`: a
+    mixture's layers hold all but their routed experts."""
     dt = shape.dtype_bytes
-    layer = shape.layer_linear_params * dt + (shape.other_params - shape.vocab * shape.hidden
-                                             * (1 if shape.tied_embeddings else 2) - shape.hidden) // shape.layers * dt
+    linear = shape.linear_params - (shape.expert_params if without_experts else 0)
+    layer = linear // shape.layers * dt + (shape.other_params - shape.vocab * shape.hidden
+                                          * (1 if shape.tied_embeddings else 2) - shape.hidden) // shape.layers * dt
     head = shape.vocab * shape.hidden * dt
     chunks = max(1, -(-head // max(layer, 1)))
     units = [layer] * shape.layers + [head // chunks] * chunks
@@ -397,7 +412,11 @@ def format_plan(plan: Plan) -> str:
                          f"from disk; each pass streams {gb(r.streamed_bytes_per_pass)} (a verify pass of k+1 "
                          "tokens streams it once).")
     for r in plan.rows:
-        if r.mapped_experts and r.fits and r.profile not in plan.not_runnable:
+        if r.mapped_experts and r.fits and r.profile not in plan.not_runnable and r.profile.startswith("streamed"):
+            lines.append(f"{r.profile}: the routed experts ({gb(r.mapped_experts)}) are read where they lie in the "
+                         f"checkpoint's files, memory-mapped: only those a token routes to; the page cache can hold "
+                         f"{gb(r.kept_experts)} of them, so a token reads about {gb(r.disk_per_token)} from disk.")
+        elif r.mapped_experts and r.fits and r.profile not in plan.not_runnable:
             kept = (f"the most used stay in memory (routing measured on {r.routing_tokens} held tokens)"
                     if r.routing_tokens else "which stay in memory is measured at the first load; uniform routing "
                                              "assumed until then")

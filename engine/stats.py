@@ -59,7 +59,8 @@ class StatsTracker:
             stream = dict(streamed_bytes=d.streamed_bytes, stream_seconds=d.load_seconds, stream_gbps=d.gbps,
                           stream_hidden=d.hidden, pass_seconds=d.pass_seconds / d.passes if d.passes else 0.0,
                           bound_pass_seconds=t.bound_pass_seconds(),
-                          compute_threads=t.split.short if getattr(t, "split", None) else "")
+                          compute_threads=t.split.short if getattr(t, "split", None) else "",
+                          expert_bytes=d.expert_bytes)
         return Stats(**stream,
             prompt_tokens=self.prompt_tokens,
             prefill_tokens=self.prefill_tokens,

@@ -42,6 +42,8 @@ def format_stats(s) -> str:
                  f"(transfer bound {s.bound_pass_seconds * 1e3:.0f} ms)")
         if s.compute_threads:
             line += f" · {s.compute_threads}"
+    if s.expert_bytes:
+        line += f" · routed experts read {human_bytes(s.expert_bytes)}"
     return line + f" · peak memory {human_bytes(peak)}"
 
 

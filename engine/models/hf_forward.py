@@ -115,7 +115,9 @@ def layer_kinds(config) -> list[str]:
 
 
 class HFForward(rows.KernelPasses):
-    def __init__(self, model, cache: KVCache):
+    def __init__(self, model, cache: KVCache, mapped_experts: dict | None = None):
+        """`mapped_experts`: the routed experts of sparse blocks whose modules do not hold
+        them (moe.install)."""
         self.model = model
         self.cache = cache
         layers, kv = [], 0
@@ -153,7 +155,7 @@ class HFForward(rows.KernelPasses):
                 if not p.is_meta and p.data_ptr() % ALIGN_BYTES:
                     p.data = aligned(p.data)
         # Sparse blocks (a mixture of experts) through the experts kernel (models/moe.py)
-        self.experts_note = moe.install(model, self, cache.dtype) if cache.device.type == "cpu" else ""
+        self.experts_note = moe.install(model, self, cache.dtype, mapped_experts) if cache.device.type == "cpu" else ""
         # Gated delta-net layers' per-token conv and recurrence in C, while our passes run
         self.delta_net, self.delta_net_note = (delta_net.install(model) if cache.device.type == "cpu"
                                                else (delta_net.Scope({}), ""))

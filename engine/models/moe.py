@@ -93,27 +93,43 @@ def _experts_forward(m: nn.Module, kernel: moe_kernel.Experts, dtype: torch.dtyp
     return forward
 
 
-def install(model: nn.Module, fwd, dtype: torch.dtype) -> str:
-    """Run the model's sparse blocks through the kernels where they can; returns a note for
-    describe() ('' for a dense model)."""
-    found = blocks(model)
-    if not found:
-        return ""
+def why_not(model: nn.Module, dtype: torch.dtype) -> str:
+    """'' when every sparse block of `model` can run through the experts kernel in `dtype`
+    (what reading only the routed experts of a memory mapping needs), else why not."""
     cfg = getattr(model.config, "text_config", model.config)
     why = moe_kernel.why_not(dtype)
     if not why and getattr(cfg, "hidden_act", "silu") != "silu":
         why = f"activation {cfg.hidden_act!r}"
+    for gate, _ in blocks(model):
+        if not why and _normalizes(gate) is None:
+            why = f"a router of {type(gate).__name__}"
+    return why
+
+
+def install(model: nn.Module, fwd, dtype: torch.dtype, mapped: dict | None = None) -> str:
+    """Run the model's sparse blocks through the kernels where they can; returns a note for
+    describe() ('' for a dense model). `mapped`: {block (in model order): (gate, up, down)},
+    the per-expert matrices of blocks whose experts are not the module's own parameters (a
+    streamed target's views of the checkpoint's memory mapping; why_not() said yes)."""
+    found = blocks(model)
+    if not found:
+        return ""
+    why = why_not(model, dtype)
     if why:
         return f"the {len(found)} sparse blocks run transformers' experts loop ({why})"
     skipped = []
-    for gate, experts in found:
+    for b, (gate, experts) in enumerate(found):
         normalize = _normalizes(gate)
         dense = _dense_experts(experts)
         E, hid = gate.weight.shape
         if normalize is None:
             skipped.append(f"a router of {type(gate).__name__}")
             continue
-        if dense:
+        if mapped and b in mapped:
+            gates, ups, downs = mapped[b]
+            kernel = moe_kernel.Experts(dtype, E, hid, downs[0].shape[1], split=(gates, ups, downs))
+            dense = False
+        elif dense:
             kernel = moe_kernel.Experts(dtype, E, hid, experts.down_proj.shape[-1])
         else:
             gu, down = experts.gate_up, experts.down
@@ -124,6 +140,7 @@ def install(model: nn.Module, fwd, dtype: torch.dtype) -> str:
             kernel = moe_kernel.Experts(dtype, E, hid, down[0].shape[1], packed=(gu, down))
         gate.forward = _router_forward(gate, normalize, fwd)
         experts.forward = _experts_forward(experts, kernel, dtype, dense)
+        experts.kernel = kernel
     if not skipped:
         return f"the experts of {len(found)} sparse blocks run in one C call a pass, each hit expert read once"
     return f"{len(skipped)} of {len(found)} sparse blocks run transformers' experts loop ({skipped[0]})"

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .. import planner
 from ..errors import BadRequest, EngineError, UnsupportedModel
 from ..kernels import layer_kernel
-from ..models import llama_family, rows
+from ..models import llama_family, moe, rows
 from . import layer_index, streamed_modules, thread_check
 from ..cache import KVCache
 from .resident import ResidentTarget
@@ -41,6 +41,7 @@ class StreamStats:
     host_bytes: int = 0
     load_seconds: float = 0.0
     wait_seconds: float = 0.0
+    expert_bytes: int = 0        # a mixture's routed experts read from the files' mapping
 
     @property
     def streamed_bytes(self) -> int:
@@ -143,8 +144,9 @@ class StreamedTarget:
         self.fallback_reason = None
         self.depth = depth
         self.bandwidth = dict(planner.DEFAULT_BANDWIDTH, **(bandwidth or {}))
+        self.mapped_experts = self.modules and maps_experts(self.path, skeleton, device, dtype)
         if self.modules:
-            self.index = streamed_modules.build(self.path, skeleton, slot_numel)
+            self.index = streamed_modules.build(self.path, skeleton, slot_numel, self.mapped_experts)
             cfg = skeleton.config
         else:
             self.index = layer_index.build(self.path, cfg.num_hidden_layers,
@@ -159,7 +161,8 @@ class StreamedTarget:
         if self.modules:
             skeleton.model.rotary_emb = rotary
             streamed_modules.bind(skeleton, self.index.rest_fields, self.norm)     # the final norm and the like
-            self.impl = streamed_modules.StreamedModulesForward(self, skeleton.eval())
+            mapped = streamed_modules.expert_views(self.index) if self.mapped_experts else None
+            self.impl = streamed_modules.StreamedModulesForward(self, skeleton.eval(), mapped)
         else:
             self.impl = StreamedForward(self, cfg, rotary, skeleton.model.layers[0].self_attn.scaling)
         self.pad_rows = self.impl.rows.pad        # one-row products as two (models/rows.py)
@@ -399,8 +402,10 @@ class StreamedTarget:
 
     def stream_stats(self) -> StreamStats:
         c: Counters = self.prefetcher.counters
+        experts = sum(e.kernel.hits * e.kernel.expert_bytes for _, e in moe.blocks(self.impl.model)
+                      if getattr(getattr(e, "kernel", None), "expert_bytes", 0)) if self.mapped_experts else 0
         return StreamStats(self._passes, self._pass_seconds, c.disk_bytes, c.host_bytes, c.load_seconds,
-                           c.wait_seconds)
+                           c.wait_seconds, experts)
 
     def bound_pass_seconds(self) -> float:
         """The transfer bound of one pass: streamed bytes over their tier's bandwidth."""
@@ -431,6 +436,15 @@ def placement(idx: layer_index.StreamIndex, filler: Filler, weight_budget: int, 
                                   host_units=[u.file_bytes for u in idx.units])
 
 
+def maps_experts(path: Path, skeleton, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a mixture streamed here reads its routed experts where they lie in the files,
+    only those a pass routes to (streamed_modules.expert_views): on a CPU, where the experts
+    kernel runs and the files hold the experts in the dtype computed in (the plan assumes
+    so whenever the file's element size is the computed one's: planner._row)."""
+    return (device.type == "cpu" and bool(moe.blocks(skeleton)) and not moe.why_not(skeleton, dtype)
+            and streamed_modules.experts_dtype(path, skeleton) == dtype)
+
+
 def minimum_budget(path: Path, device: torch.device, dtype: torch.dtype, depth: int = planner.PREFETCH_DEPTH,
                    slot_numel: int | None = None) -> int:
     """The fewest weight bytes a streamed target of this checkpoint can run in."""
@@ -440,7 +454,7 @@ def minimum_budget(path: Path, device: torch.device, dtype: torch.dtype, depth: 
         warnings.simplefilter("ignore")
         skeleton = AutoModelForCausalLM.from_config(cfg)
     if llama_family.can_run(skeleton) is not None:        # transformers' layers, as StreamedTarget runs them
-        idx = streamed_modules.build(Path(path), skeleton, slot_numel)
+        idx = streamed_modules.build(Path(path), skeleton, slot_numel, maps_experts(Path(path), skeleton, device, dtype))
     else:
         idx = layer_index.build(Path(path), cfg.num_hidden_layers, bool(getattr(cfg, "tie_word_embeddings", False)),
                                 slot_numel)

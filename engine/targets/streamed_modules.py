@@ -10,7 +10,12 @@ attention one): every parameter of the layer at a 64-byte-aligned offset of the 
 the shape the module declares. Mixture-of-experts weights, stored one matrix per expert,
 are placed expert after expert so the slot holds the [experts, out, in] tensor
 transformers builds from them (gate rows then up rows per expert, as its loader
-concatenates them)."""
+concatenates them).
+
+On a CPU the routed experts need not be streamed at all (`mapped_experts`): a sparse layer's
+unit then holds everything but its experts, and the experts kernel reads the experts a pass
+routes to straight from the checkpoint's files, memory-mapped (expert_views): a token reads
+its top-k experts of each layer, not all of them, and the page cache keeps the ones in use."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +36,9 @@ class ModuleIndex(StreamIndex):
     layer_fields: dict = None
     rest: Unit = None            # the parameters outside the layers but the embeddings and head
     rest_fields: dict = None     # {parameter path in the model: (element offset, shape)}
+    # with mapped experts: {layer: (gate, up, down)}, each a list of (tensor entry, first
+    # row, rows), one an expert (rows of a fused tensor where the files hold one)
+    experts: dict = None
 
     def norm_unit(self) -> Unit:
         return self.rest
@@ -78,15 +86,52 @@ def _sources(index: dict, prefix: str, pname: str, shape) -> list | None:
     return None
 
 
-def build(path, model: nn.Module, slot_numel: int | None = None) -> ModuleIndex:
-    """Index a checkpoint for streaming transformers' layers of `model` (built on meta)."""
+EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _expert_entries(index: dict, prefix: str, layer: nn.Module, path) -> tuple[list, list, list]:
+    """(gate, up, down) of one sparse layer's experts as the files hold them."""
+    E, two_i = layer.mlp.experts.gate_up_proj.shape[:2]
+    fused = [stored_name(index, prefix + n) for n in EXPERT_PARAMS]
+    if all(fused):
+        gu, down = index[fused[0]], index[fused[1]]
+        return ([(gu, e * two_i, two_i // 2) for e in range(E)],
+                [(gu, e * two_i + two_i // 2, two_i // 2) for e in range(E)],
+                [(down, e * down.shape[1], down.shape[1]) for e in range(E)])
+    out = ([], [], [])
+    for e in range(E):
+        for part, into in zip(("gate_proj", "up_proj", "down_proj"), out):
+            got = stored_name(index, f"{prefix}mlp.experts.{e}.{part}.weight")
+            if got is None:
+                raise UnsupportedModel(f"{path}: tensor {prefix}mlp.experts.{e}.{part}.weight is not in the "
+                                       "safetensors files; re-download the model")
+            into.append((index[got], 0, index[got].shape[0]))
+    return out
+
+
+def experts_dtype(path, model: nn.Module) -> torch.dtype | None:
+    """The dtype the files hold the routed experts in (None: a dense model)."""
     index = tensor_index(path)
-    units, fields = [], {}
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(getattr(layer.mlp, "experts", None), "gate_up_proj"):
+            return _dtype(_expert_entries(index, f"model.layers.{i}.", layer, path)[0][0][0])
+    return None
+
+
+def build(path, model: nn.Module, slot_numel: int | None = None, mapped_experts: bool = False) -> ModuleIndex:
+    """Index a checkpoint for streaming transformers' layers of `model` (built on meta);
+    with `mapped_experts`, the routed experts stay out of the units."""
+    index = tensor_index(path)
+    units, fields, experts = [], {}, {}
     for i, layer in enumerate(model.model.layers):
         if any(True for _ in layer.buffers()):
             raise UnsupportedModel(f"{path}: decoder layer {i} holds buffers; the streamed profile cannot run "
                                    "this model (use a resident profile)")
-        unit, lay = _place(index, f"model.layers.{i}.", layer.named_parameters(), f"layer {i}", "layer", i, path)
+        params = layer.named_parameters()
+        if mapped_experts and hasattr(getattr(layer.mlp, "experts", None), "gate_up_proj"):
+            experts[i] = _expert_entries(index, f"model.layers.{i}.", layer, path)
+            params = [(n, p) for n, p in layer.named_parameters() if n not in EXPERT_PARAMS]
+        unit, lay = _place(index, f"model.layers.{i}.", params, f"layer {i}", "layer", i, path)
         units.append(unit)
         fields[unit.name] = lay
     get = {n: index[s] for n in ("model.embed_tokens.weight", "lm_head.weight")
@@ -102,7 +147,26 @@ def build(path, model: nn.Module, slot_numel: int | None = None) -> ModuleIndex:
     files = sorted({p.file for u in units + [rest] for p in u.pieces} | {embed.file})
     first = rest.pieces[0] if rest.pieces else None
     return ModuleIndex(None, units, first, embed, head, embed.shape[1], max(u.numel for u in units), files,
-                       layer_fields=fields, rest=rest, rest_fields=rest_fields)
+                       layer_fields=fields, rest=rest, rest_fields=rest_fields, experts=experts)
+
+
+def expert_views(idx: ModuleIndex) -> dict[int, tuple[list, list, list]]:
+    """{sparse block (in model order): (gate, up, down) matrices}, views of the files mapped
+    read-only and private (nothing is copied or written: a page is read from the disk or the
+    page cache when an expert it holds is routed to, and dropped under memory pressure)."""
+    maps: dict = {}
+
+    def view(entry) -> torch.Tensor:
+        e, row, rows = entry
+        if e.file not in maps:
+            maps[e.file] = torch.from_file(str(e.file), shared=False, size=e.file.stat().st_size,
+                                           dtype=torch.uint8)
+        dt = _dtype(e)
+        cols = _numel(e.shape[1:])
+        start = e.offset + row * cols * dt.itemsize
+        return maps[e.file][start:start + rows * cols * dt.itemsize].view(dt).view(rows, cols)
+    return {b: tuple([view(x) for x in part] for part in idx.experts[i])
+            for b, i in enumerate(sorted(idx.experts))}
 
 
 def bind(layer: nn.Module, fields: dict, flat: torch.Tensor) -> None:
@@ -116,8 +180,8 @@ def bind(layer: nn.Module, fields: dict, flat: torch.Tensor) -> None:
 class StreamedModulesForward(hf_forward.HFForward):
     """HFForward over a model whose decoder layers are bound to slots as they run."""
 
-    def __init__(self, target, model: nn.Module):
-        super().__init__(model, target.cache)
+    def __init__(self, target, model: nn.Module, mapped_experts: dict | None = None):
+        super().__init__(model, target.cache, mapped_experts)
         self.t = target
         self._slot = None
         for i, layer in enumerate(model.model.layers):
