@@ -13,7 +13,15 @@ quiet.
 
 libgomp reads the setting once, when it is loaded (by `import torch`), so it only takes
 effect if this module runs first; `effective` says whether it did. A GOMP_SPINCOUNT or
-OMP_WAIT_POLICY of the user's own is left alone."""
+OMP_WAIT_POLICY of the user's own is left alone.
+
+The one other setting torch reads once: THP_MEM_ALLOC_ENABLE, which puts its CPU tensors of
+2 MB and more on transparent huge pages (aligned to 2 MB and madvised; the machines here
+leave huge pages to madvise). A decode pass reads every weight once through a few thousand
+4 KB pages a matrix, and each page's translation is a miss; with 2 MB pages the routed
+experts of Qwen3.5-35B-A3B's shape read at 31-39 GB/s against 25-27, and the whole step
+gained 4% in decode and 24% in prefill (medians of 8 interleaved runs each, bf16), the demo
+model's bf16 decode 7%, with the same resident memory. A value of the user's own is kept."""
 from __future__ import annotations
 
 import os
@@ -26,6 +34,7 @@ user_set = os.environ.get("GOMP_SPINCOUNT", SPIN) != SPIN or "OMP_WAIT_POLICY" i
 effective = "torch" not in sys.modules
 if not user_set:
     os.environ["GOMP_SPINCOUNT"] = SPIN
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def describe() -> str:
