@@ -192,7 +192,9 @@ def _load_mtp(eng):
     if why:
         raise BadRequest(f"--drafter mtp: {why}; use --drafter ngram or --draft-model")
     if eng._mtp_layer is None:                # kept: switching drafters back and forth loads it once
-        eng._mtp_layer = load_mtp(eng.checkpoint.path, model.model, cfg, eng.target.device, eng.target.cache.dtype)
+        quant = getattr(eng.target, "quant", None)     # a quantized target: the layer in its format
+        eng._mtp_layer = load_mtp(eng.checkpoint.path, model.model, cfg, eng.target.device, eng.target.cache.dtype,
+                                  quant.weights if quant else "exact", (quant.group_size if quant else None) or 32)
     return eng._mtp_layer
 
 

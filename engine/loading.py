@@ -143,7 +143,7 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
         why = mtp.why_not_at(ckpt.path)
         if why:
             raise BadRequest(f"--drafter mtp: {why}; use --drafter ngram or --draft-model")
-        drafter = (shape.mtp_drafter(min(context or 4096, max_pos)), "exact")
+        drafter = (shape.mtp_drafter(min(context or 4096, max_pos)), "profile")
     plan = planner.make_plan(shape, hw, every, context=min(context or 4096, max_pos), force=forced,
                              runnable=can, bandwidth=bw, drafter=drafter[0] if drafter else None,
                              drafter_weights=drafter[1] if drafter else "exact",

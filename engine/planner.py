@@ -166,7 +166,12 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     kv_tok = shape.kv_bytes_per_token()
     draft_bytes = 0
     if drafter is not None and p.drafter in ("auto", "model", "mtp"):
-        draft_bytes = drafter.weight_bytes(drafter_weights) + drafter.kv_bytes_per_token() * context
+        # "profile": the checkpoint's own MTP layer, held in the profile's format
+        mine = drafter_weights == "profile"
+        if mine and p.weights in ("int8", "int4") and quant_act_bytes:
+            drafter = replace(drafter, dtype_bytes=quant_act_bytes)      # held as the target computes
+        draft_bytes = (drafter.weight_bytes(p.weights if mine else drafter_weights, p.group_size if mine else 32)
+                       + drafter.kv_bytes_per_token() * context)
     act = activation_bytes(shape, p.max_draft + 1, context, chunk)
     # A fixed margin suits a GPU; a small --vram budget (a CPU "device" in tests, a small
     # card) keeps a tenth of itself free instead of more than it has.

@@ -178,8 +178,8 @@ class ModelShape:
                        mtp_params=mtp, file_dtype_bytes=dt)
 
     def mtp_drafter(self, context: int) -> "ModelShape":
-        """The MTP layer as a drafter's shape for the plan: its weights (exact: it is loaded
-        in the target's dtype, quantized or not), the keys and values of one attention
+        """The MTP layer as a drafter's shape for the plan: its weights (loaded in the
+        target's dtype, and in a quantized profile's format), the keys and values of one attention
         layer, the target's hidden state of every position (`context` rows it reads), and
         nothing of the embedding or head it shares with the target."""
         return replace(self, layers=1, linear_params=self.mtp_params, other_params=context * self.hidden,

@@ -115,6 +115,32 @@ def test_the_plan_counts_the_layer_beside_the_target(mtp_models):
     assert engine.open(str(path), drafter="ngram", context=64).plan.row("resident-exact").drafter == 0
 
 
+@pytest.mark.parametrize("profile", ["resident-int8", "resident-int4"])
+def test_a_quantized_target_holds_the_layer_in_its_own_format(mtp_models, profile, tmp_path):
+    """Under int8 or int4 the layer's attention and experts are packed as the target's are
+    (the plan counts them so: about 0.5 GB of Qwen3.5-35B-A3B's 1.7 GB layer in int4), its norms
+    and fc exact; it drafts, and the answer stays plain greedy (the test above)."""
+    from engine.planner import ModelShape
+    from engine.targets.module_quant import PackedExperts, PackedLinear
+    path = mtp_models["qwen3_5_moe"]
+    eng = engine.open(str(path), drafter="mtp", profile=profile, context=64, cache_dir=tmp_path)
+    block = eng.drafter.layer.model.layers[0]
+    assert isinstance(block.self_attn.q_proj, PackedLinear) and isinstance(block.mlp.experts, PackedExperts)
+    assert isinstance(block.mlp.shared_expert.down_proj, PackedLinear)
+    assert type(eng.drafter.layer.fc) is torch.nn.Linear
+    fmt = profile.removeprefix("resident-")
+    assert block.self_attn.q_proj.w.__class__.__name__ == ("Int8Weight" if fmt == "int8" else "Int4Weight")
+    shape = ModelShape.from_checkpoint(path)
+    row = eng.plan.row(eng.plan.chosen)
+    act = eng.target.cache.dtype.itemsize
+    kv = 2 * shape.kv_heads * shape.head_dim * act                # a key and value a position
+    packed = shape.linear_bytes(fmt, 32, shape.mtp_params)
+    assert row.drafter == packed + 64 * shape.hidden * act + kv * 64
+    assert packed < shape.mtp_params * act / (1.9 if fmt == "int8" else 3)
+    events = list(eng.chat().send("Why is the sky blue?", max_new_tokens=12))
+    assert _stats(events).drafted_tokens > 0
+
+
 def test_bench_measures_the_mtp_drafter_where_the_checkpoint_has_one(mtp_models, tmp_path):
     import json
     wl = tmp_path / "w.jsonl"

@@ -139,7 +139,8 @@ def budget_for(path: Path, profile: str, context: int = 64, dtype: torch.dtype |
 def add_mtp(path: Path, seed: int = 0) -> Path:
     """Give a tiny Qwen3.5 / Qwen3-Next checkpoint the multi-token-prediction layer the
     published ones carry (`mtp.*`: fc, the two pre-fc norms, one full-attention decoder
-    layer of the model's kind, a final norm), random and seeded, in its own file."""
+    layer of the model's kind, a final norm), random and seeded, in its own file; a sparse
+    layer's experts one matrix per expert, as published."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -155,6 +156,14 @@ def add_mtp(path: Path, seed: int = 0) -> Path:
     with torch.no_grad():
         for name, p in layer.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05))
-            data[layer.stored_name(name)] = p.detach().to(dtype).contiguous()
+            stored = layer.stored_name(name)
+            base, _, leaf = stored.rpartition(".")
+            if p.dim() == 3 and leaf in ("gate_up_proj", "down_proj"):
+                parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+                for e in range(p.shape[0]):
+                    for part, rows in zip(parts, p[e].chunk(len(parts))):
+                        data[f"{base}.{e}.{part}.weight"] = rows.detach().to(dtype).contiguous()
+                continue
+            data[stored] = p.detach().to(dtype).contiguous()
     save_file(data, file, metadata={"format": "pt"})
     return path

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .module_quant import ModuleSource, _experts, _set, _tied, finish, skeleton
+from .module_quant import ModuleSource, _experts, _set, _tied, finish, pack_layer, quantize_layer, skeleton
 
 
 def _fused(src: ModuleSource, name: str, like: torch.Tensor, parts: tuple[str, ...], dtype, device) -> torch.Tensor:
@@ -86,22 +86,30 @@ def load_exact(path: Path, cfg, device: torch.device, dtype: torch.dtype, progre
     return model
 
 
-def load_mtp(path: Path, text_model: nn.Module, cfg, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The checkpoint's multi-token-prediction layer (models/mtp.py MtpLayer), exact, in
-    `dtype`, its experts fused as the target's are."""
+def load_mtp(path: Path, text_model: nn.Module, cfg, device: torch.device, dtype: torch.dtype,
+             weights: str = "exact", group: int = 32) -> nn.Module:
+    """The checkpoint's multi-token-prediction layer (models/mtp.py MtpLayer), in `dtype`:
+    exact, its experts fused as the target's are, or (`weights` int8 or int4: a quantized
+    target's own format) its decoder layer's matrices and experts packed as a quantized
+    target's layers are (Qwen3.5-35B-A3B's 256-expert layer: 1.7 GB in bf16, 0.5 GB in
+    int4), quantized from the files one tensor at a time."""
     from ..models import mtp
     layer = mtp.MtpLayer(text_model, cfg)
     src = ModuleSource(path)
     block = layer.model.layers[0]
     experts = dict(_experts(block))
+    if weights in ("int8", "int4"):
+        pack_layer(block, quantize_layer(block, "mtp.layers.0.", src, weights, group, dtype), device, dtype,
+                   weights, group)
+        experts = {}
     for name, m in experts.items():
         at = f"mtp.layers.0.{name}"
         _set(block, f"{name}.gate_up_proj", _fused(src, f"{at}.gate_up_proj", m.gate_up_proj,
                                                    ("gate_proj", "up_proj"), dtype, device))
         _set(block, f"{name}.down_proj", _fused(src, f"{at}.down_proj", m.down_proj, ("down_proj",), dtype, device))
-    for pname, _ in list(layer.named_parameters()):
+    for pname, t in list(layer.named_parameters()):
         inside = pname.removeprefix("model.layers.0.")
-        if inside != pname and inside.rpartition(".")[0] in experts:
+        if (inside != pname and inside.rpartition(".")[0] in experts) or not t.is_meta:
             continue                                   # filled above
         _set(layer, pname, src.rows(layer.stored_name(pname)).to(device, dtype))
     inner = layer.model
