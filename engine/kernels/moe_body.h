@@ -9,12 +9,13 @@
  * row a lone row's bits: the products are rows.c's and q4.c's, whose elements do not
  * depend on the row count, and a row's sum runs over its own experts in a fixed order. */
 
-/* Decode and verify passes route a few rows to each of several experts: each expert's
- * products are then too small to share between threads without their fork and join costing
- * a good part of the read, so the threads take whole experts instead (one parallel region a
- * block), each product on one thread. The bits are the same either way: a product's elements
- * do not depend on the thread count, and the rows are summed afterwards in expert order. */
-#define MOE_EXPERT_ROWS 4     /* at most this many rows an expert: experts split between threads */
+/* A pass routes its rows to several experts (8 a token in Qwen3.5-35B-A3B; a prefill chunk
+ * hits most of them, a few rows each): each expert's products are then too small to share
+ * between threads without their fork and join costing a good part of the read, so the
+ * threads take whole experts instead (one parallel region a block), each product on one
+ * thread. Only when fewer experts are hit than there are threads do the threads share each
+ * product. The bits are the same either way: a product's elements do not depend on the
+ * thread count, and the rows are summed afterwards in expert order. */
 
 static int64_t FN(moe_thread_bytes)(int n, int hid, int I) {
     int64_t wide = hid > I ? hid : I;
@@ -65,10 +66,9 @@ void FN(moe)(const Mat *gate_up, int64_t gu_step, const Mat *up, const Mat *down
     memset(start, 0, (size_t)(E + 1) * sizeof(int));
     for (int64_t s = 0; s < (int64_t)T * k; s++)
         if (idx[s] >= 0 && idx[s] < E) start[idx[s] + 1]++;
-    int hits = 0, widest = 0;
+    int hits = 0;
     for (int e = 0; e < E; e++) {
         if (start[e + 1]) hit[hits++] = e;
-        if (start[e + 1] > widest) widest = start[e + 1];
         start[e + 1] += start[e];
     }
     for (int t = 0; t < T; t++)                /* rows ascending within an expert */
@@ -88,7 +88,7 @@ void FN(moe)(const Mat *gate_up, int64_t gu_step, const Mat *up, const Mat *down
     Mat a = gu_step ? gate_up[0] : gate_up[e], b = down_step ? down[0] : down[e];                   \
     if (gu_step) a.w = (const char *)a.w + gu_step * (e);                                           \
     if (down_step) b.w = (const char *)b.w + down_step * (e);
-    if (threads > 1 && hits >= threads && widest <= MOE_EXPERT_ROWS) {
+    if (threads > 1 && hits >= threads) {
         #pragma omp parallel for schedule(static, 1) num_threads(threads)
         for (int h = 0; h < hits; h++) {
             int e = hit[h], s0 = start[e];
