@@ -35,16 +35,22 @@ static void FN(rope_part)(ELEM *x, const ELEM *cos, const ELEM *sin, int R) {
 
 static inline float FN(sigmoid)(float v) { return 1.f / (1.f + expf(-v)); }
 
-/* h += round(SiLU(x W_gate) * x W_up) W_down with x = rms1p(h, ln2): the dense MLP's half */
+/* y [T, hid] = round(SiLU(x W_gate) * x W_up) W_down, an MLP of width I */
+static void FN(hyb_swiglu)(const Mat *gate, const Mat *up, const Mat *down, const ELEM *x, int T, int hid, int I,
+                           ELEM *gu, ELEM *act, ELEM *y, void *q4s, int threads) {
+    FN(product)(x, hid, gate, NULL, gu, 2 * I, T, I, hid, q4s, threads);
+    FN(product)(x, hid, up, NULL, gu + I, 2 * I, T, I, hid, q4s, threads);
+    FN(swiglu)(gu, act, T, I);
+    FN(product)(act, I, down, NULL, y, hid, T, hid, I, q4s, threads);
+}
+
+/* h += the MLP of x = rms1p(h, ln2): the dense MLP's half */
 static void FN(hyb_mlp)(const HybridWeights *w, const HybridShape *s, ELEM *h, int T, ELEM *x, ELEM *gu,
                         ELEM *act, ELEM *y, void *q4s, int threads) {
-    const int hid = s->hidden, I = s->inter;
+    const int hid = s->hidden;
     for (int r = 0; r < T; r++)
         FN(rms1p)(h + (int64_t)r * hid, (const ELEM *)w->ln2, x + (int64_t)r * hid, hid, s->eps);
-    FN(product)(x, hid, &w->gate, NULL, gu, 2 * I, T, I, hid, q4s, threads);
-    FN(product)(x, hid, &w->up, NULL, gu + I, 2 * I, T, I, hid, q4s, threads);
-    FN(swiglu)(gu, act, T, I);
-    FN(product)(act, I, &w->down, NULL, y, hid, T, hid, I, q4s, threads);
+    FN(hyb_swiglu)(&w->gate, &w->up, &w->down, x, T, hid, s->inter, gu, act, y, q4s, threads);
     for (int64_t i = 0; i < (int64_t)T * hid; i++) h[i] = ST(LD(h[i]) + LD(y[i]));
 }
 
@@ -222,10 +228,7 @@ void FN(hyb_moe_in)(const HybridWeights *w, const HybridShape *s, const ELEM *h,
     ELEM *score = mix;
     for (int r = 0; r < T; r++)
         FN(rms1p)(h + (int64_t)r * hid, (const ELEM *)w->ln2, xo + (int64_t)r * hid, hid, s->eps);
-    FN(product)(xo, hid, &w->se_gate, NULL, gu, 2 * SI, T, SI, hid, q4s, threads);
-    FN(product)(xo, hid, &w->se_up, NULL, gu + SI, 2 * SI, T, SI, hid, q4s, threads);
-    FN(swiglu)(gu, act, T, SI);
-    FN(product)(act, SI, &w->se_down, NULL, y, hid, T, hid, SI, q4s, threads);
+    FN(hyb_swiglu)(&w->se_gate, &w->se_up, &w->se_down, xo, T, hid, SI, gu, act, y, q4s, threads);
     FN(product)(xo, hid, &w->se_score, NULL, score, 1, T, 1, hid, q4s, threads);
     for (int r = 0; r < T; r++) {
         float g = LD(ST(FN(sigmoid)(LD(score[r]))));
