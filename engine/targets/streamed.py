@@ -165,6 +165,10 @@ class StreamedTarget:
             self.impl = streamed_modules.StreamedModulesForward(self, skeleton.eval(), mapped)
         else:
             self.impl = StreamedForward(self, cfg, rotary, skeleton.model.layers[0].self_attn.scaling)
+        # the experts kernels that read from the files' mapping (what stream_stats counts)
+        self._mapped_kernels = ([e.kernel for _, e in moe.blocks(self.impl.model)
+                                 if getattr(getattr(e, "kernel", None), "expert_bytes", 0)]
+                                if self.mapped_experts else [])
         self.pad_rows = self.impl.rows.pad        # one-row products as two (models/rows.py)
         self._passes, self._pass_seconds = 0, 0.0
         self._retried_oom = False
@@ -402,10 +406,8 @@ class StreamedTarget:
 
     def stream_stats(self) -> StreamStats:
         c: Counters = self.prefetcher.counters
-        experts = sum(e.kernel.hits * e.kernel.expert_bytes for _, e in moe.blocks(self.impl.model)
-                      if getattr(getattr(e, "kernel", None), "expert_bytes", 0)) if self.mapped_experts else 0
         return StreamStats(self._passes, self._pass_seconds, c.disk_bytes, c.host_bytes, c.load_seconds,
-                           c.wait_seconds, experts)
+                           c.wait_seconds, sum(k.hits * k.expert_bytes for k in self._mapped_kernels))
 
     def bound_pass_seconds(self) -> float:
         """The transfer bound of one pass: streamed bytes over their tier's bandwidth."""
@@ -454,7 +456,8 @@ def minimum_budget(path: Path, device: torch.device, dtype: torch.dtype, depth: 
         warnings.simplefilter("ignore")
         skeleton = AutoModelForCausalLM.from_config(cfg)
     if llama_family.can_run(skeleton) is not None:        # transformers' layers, as StreamedTarget runs them
-        idx = streamed_modules.build(Path(path), skeleton, slot_numel, maps_experts(Path(path), skeleton, device, dtype))
+        mapped = maps_experts(Path(path), skeleton, device, dtype)
+        idx = streamed_modules.build(Path(path), skeleton, slot_numel, mapped)
     else:
         idx = layer_index.build(Path(path), cfg.num_hidden_layers, bool(getattr(cfg, "tie_word_embeddings", False)),
                                 slot_numel)
