@@ -58,6 +58,7 @@ class PlanRow:
     prefill_chunk: int = PREFILL_CHUNK   # tokens a prefill pass runs at most (counted in activations)
     routing_tokens: int = 0      # held tokens the experts' use was measured on (0: uniform routing assumed)
     kept_experts: int = 0        # with mapped_experts: the expert bytes kept in memory
+    placement: str = "resident"  # the profile's: resident | streamed (a user's profile may have any name)
 
     @property
     def short_by(self) -> int:
@@ -236,7 +237,7 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     return PlanRow(p.name, p.summary, weights, kv, draft_bytes, act, runtime, margin, total, budget, fits,
                    context, int(max_context), resident, host, disk, streamed,
                    1.0 / seconds if seconds > 0 else 0.0, note, state, read, mapped, from_disk,
-                   max(chunk, p.max_draft + 1), routing.tokens if mapped and routing else 0, kept)
+                   max(chunk, p.max_draft + 1), routing.tokens if mapped and routing else 0, kept, p.placement)
 
 
 # A mixture's experts are left on disk only while what a token reads from there keeps at
@@ -417,7 +418,7 @@ def format_plan(plan: Plan) -> str:
                          f"from disk; each pass streams {gb(r.streamed_bytes_per_pass)} (a verify pass of k+1 "
                          "tokens streams it once).")
     for r in plan.rows:
-        if r.mapped_experts and r.fits and r.profile not in plan.not_runnable and r.profile.startswith("streamed"):
+        if r.mapped_experts and r.fits and r.profile not in plan.not_runnable and r.placement == "streamed":
             lines.append(f"{r.profile}: the routed experts ({gb(r.mapped_experts)}) are read where they lie in the "
                          f"checkpoint's files, memory-mapped: only those a token routes to; the page cache can hold "
                          f"{gb(r.kept_experts)} of them, so a token reads about {gb(r.disk_per_token)} from disk.")
@@ -428,7 +429,7 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"{r.profile}: {gb(r.mapped_experts)} of the experts stay memory-mapped in the quantized "
                          f"cache on disk, {kept}; a token reads about {gb(r.disk_per_token)} of its experts "
                          "from there.")
-    if any(r.read_per_token < r.weights // 2 for r in plan.rows if r.profile.startswith("resident")):
+    if any(r.read_per_token < r.weights // 2 for r in plan.rows if r.placement == "resident"):
         lines.append("read/tok: what one token reads; a mixture of experts reads only its routed experts "
                      "(a verify pass of n tokens, the distinct experts they route to).")
     if plan.not_runnable:

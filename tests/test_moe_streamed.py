@@ -155,6 +155,11 @@ def test_the_plan_reads_the_routed_experts_and_streams_the_rest(mixture):
     assert row.fits and row.kept_experts == pytest.approx(experts / 2, abs=16)
     assert row.disk_per_token == pytest.approx(routed / 2, abs=16)
     assert 1 / row.tps_bound == pytest.approx(1 / roomy.tps_bound + routed / 2 / 1e9 - routed / 2 / 20e9, rel=1e-3)
+    # doctor's line, for a user's streamed profile of any name
+    mine = [replace(p, name="my-stream") if p.placement == "streamed" else p for p in every]
+    text = planner.format_plan(planner.make_plan(shape, hardware.detect(vram=10**9, device="cpu"), mine,
+                                                 context=64, bandwidth=bw))
+    assert "my-stream: the routed experts" in text and "memory-mapped: only those a token routes to" in text
     # a device streams every expert of a layer: nothing is read in place
     gpu = plan(10**9, "cuda:0")
     assert gpu.mapped_experts == 0 and gpu.read_per_token > roomy.read_per_token
