@@ -25,11 +25,11 @@ _WHERE = {"ModelDrafter": "drafters", "NgramDrafter": "drafters", "NoDrafter": "
           "Done": "events", "Stats": "events", "TextDelta": "events",
           "RUNNABLE": "loading", "measured_routing": "loading", "open": "loading",
           "quant_act_dtype": "loading", "runnable": "loading",
-          "SamplingParams": "sampling", "Chat": "session"}
+          "SamplingParams": "sampling", "Chat": "session", "Grammar": "constrain"}
 
 __all__ = ["open", "Engine", "Chat", "TextDelta", "Stats", "Done", "SamplingParams", "EngineError",
            "BadRequest", "BadWeights", "CheckpointError", "ContextFull", "ModelNotFound", "UnsupportedModel",
-           "NoDrafter", "NgramDrafter", "ModelDrafter", "RUNNABLE", "runnable", "quant_act_dtype", "measured_routing"]
+           "NoDrafter", "NgramDrafter", "ModelDrafter", "Grammar", "RUNNABLE", "runnable", "quant_act_dtype", "measured_routing"]
 
 
 def __getattr__(name: str):

@@ -119,9 +119,13 @@ def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int, 
 
 
 def verify_sampled(target_logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
-                   params: SamplingParams, gen: torch.Generator | None) -> tuple[int, int]:
+                   params: SamplingParams, gen: torch.Generator | None,
+                   after: torch.Tensor | None = None) -> tuple[int, int]:
     """Sampled verification: (number of drafts kept, the next token). q is [k, vocab]
-    (the drafter's distributions after the same processing), or None for one-hot drafts."""
+    (the drafter's distributions after the same processing), or None for one-hot drafts.
+    `after`: the drafter's distribution at the position after the last draft, where a
+    grammar cut a draft it forbids. That draft counts as drawn and rejected (p gives it 0),
+    so the position samples from the residual, as the rule says, not from p."""
     p = probabilities(target_logits, params)
     uniforms = torch.rand(len(drafts), generator=gen, device=p.device).tolist() if drafts else []
     for i, x in enumerate(drafts):
@@ -129,4 +133,5 @@ def verify_sampled(target_logits: torch.Tensor, drafts: list[int], q: torch.Tens
         if uniforms[i] < accept_probability(float(p[i, x]), float(q_i[x])):
             continue
         return i, int(torch.multinomial(residual(p[i], q_i), 1, generator=gen))
-    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
+    last = p[len(drafts)] if after is None else residual(p[len(drafts)], after)
+    return len(drafts), int(torch.multinomial(last, 1, generator=gen))

@@ -18,7 +18,7 @@ from .cache import common_prefix
 from .detokenize import IncrementalDecoder
 from .checkpoint import nonfinite_reason
 from .errors import BadRequest, BadWeights, EngineError
-from . import reasoning
+from . import constrain, reasoning
 from .events import Done, Stats, TextDelta
 from .sampling import SamplingParams, make_generator
 from .stats import StatsTracker
@@ -132,8 +132,10 @@ class Chat(Messages):
 
     # -- a turn
     def send(self, text: str, max_new_tokens: int = 512, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Iterator:
+             top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+             grammar: constrain.Grammar | None = None) -> Iterator:
         """Add a user message and stream the answer: TextDelta..., Stats..., Done.
+        `grammar`: the answer (after any reasoning) must match it (engine.constrain).
         Bad arguments raise BadRequest before anything changes; failures during the
         answer end it with Done('error') and keep what was written."""
         if not text or not text.strip():
@@ -150,14 +152,23 @@ class Chat(Messages):
             if len(rendered[0]) >= room:    # the answer needs at least one position more
                 raise BadRequest(f"the conversation is {len(rendered[0])} tokens and the model's context holds "
                                  f"{room}; shorten the prompt or start a new chat")
+            constraint = self._constraint(grammar, rendered[1], split=True)
         except BadRequest:
             del self.messages[-2:]           # refused: the conversation is as it was
             raise
         self._cancel.clear()
-        return self._answer(answer, params, max_new_tokens, rendered)
+        return self._answer(answer, params, max_new_tokens, rendered, constraint=constraint)
+
+    def _constraint(self, grammar, prompt_text: str, split: bool):
+        if grammar is None:
+            return None
+        tok = self.engine.tokenizer
+        phase = constrain.first_phase(tok, prompt_text, split and reasoning.thinks(tok))
+        return constrain.Constraint(grammar, tok, self.engine.target.vocab_size, phase)
 
     def complete(self, prompt: str, max_new_tokens: int = 16, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Iterator:
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 grammar: constrain.Grammar | None = None) -> Iterator:
         """Continue `prompt` as plain text, without the chat template (a completions API):
         TextDelta..., Stats..., Done, as send() streams them. The text is tokenized as the
         model's tokenizer does a document (its BOS token where it adds one). It is not a
@@ -172,19 +183,20 @@ class Chat(Messages):
         room = self.engine.target.cache.max_positions
         if len(ids) >= room:
             raise BadRequest(f"the prompt is {len(ids)} tokens and the model's context holds {room}; shorten it")
+        constraint = self._constraint(grammar, prompt, split=False)
         self.messages = []
         self._cancel.clear()
-        return self._completion(params, max_new_tokens, ids, prompt)
+        return self._completion(params, max_new_tokens, ids, prompt, constraint)
 
-    def _completion(self, params, max_new_tokens: int, ids: list[int], prompt: str) -> Iterator:
+    def _completion(self, params, max_new_tokens: int, ids: list[int], prompt: str, constraint) -> Iterator:
         try:
             yield from self._answer({"role": "assistant", "content": ""}, params, max_new_tokens, (ids, prompt),
-                                    split=False)
+                                    split=False, constraint=constraint)
         finally:
             self._turn_text, self._turn_ids = "", []       # a chat turn after it renders afresh
 
     def _answer(self, answer: dict, params: SamplingParams, max_new_tokens: int,
-                rendered: tuple[list[int], str], split: bool = True) -> Iterator:
+                rendered: tuple[list[int], str], split: bool = True, constraint=None) -> Iterator:
         eng, target = self.engine, self.engine.target
         detok = IncrementalDecoder(eng.tokenizer)
         # the conversation's content keeps the model's text whole (its template splits
@@ -227,7 +239,8 @@ class Chat(Messages):
                 tracker.prefill_done()
                 gen = make_generator(params, target.device)
                 passes = speculative.generate(target, eng.drafter, self.controller, self.cached_ids, first, params, gen,
-                                              max_new_tokens, eng.stop_ids, self._cancel, tracker.rounds)
+                                              max_new_tokens, eng.stop_ids, self._cancel, tracker.rounds,
+                                              constraint)
                 for i, tokens in enumerate(passes):
                     tracker.pass_done(len(tokens), first=i == 0)
                     generated.extend(tokens)
@@ -239,7 +252,7 @@ class Chat(Messages):
                             yield TextDelta(delta)
                         else:
                             yield from _deltas(splitter, delta)
-                    if tokens[-1] in eng.stop_ids:
+                    if tokens[-1] in eng.stop_ids or (constraint is not None and constraint.done):
                         reason = "stop"
                     if tracker.due():
                         yield tracker.snapshot()

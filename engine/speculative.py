@@ -183,17 +183,24 @@ class RoundStats:
 def generate(target, drafter, controller: DraftController, history: list[int], first_logits: torch.Tensor,
              params: SamplingParams, gen: torch.Generator | None, max_new_tokens: int,
              stop_ids: frozenset[int], cancel: threading.Event | None = None,
-             counts: RoundStats | None = None) -> Iterator[list[int]]:
-    """Yield the tokens of each target pass until a stop token, max_new_tokens or cancel.
+             counts: RoundStats | None = None, constraint=None) -> Iterator[list[int]]:
+    """Yield the tokens of each target pass until a stop token, max_new_tokens or cancel,
+    or until the `constraint` (engine.constrain.Constraint) is complete.
 
     `history` holds the tokens in the target's cache and is extended in place as tokens
     are committed; the last yielded token is never fed back (the next turn starts with it).
+    Under a constraint every position's logits are masked as the grammar's state after the
+    tokens before it allows, drafts included, so the tokens are those of constrained
+    decoding without a drafter.
     """
     counts = counts or RoundStats()
+    if constraint is not None:
+        constraint.mask(first_logits)
     token = next_token(first_logits, params, gen)
+    _commit(constraint, [token], stop_ids)
     yield [token]
     produced = 1
-    while produced < max_new_tokens and token not in stop_ids:
+    while produced < max_new_tokens and token not in stop_ids and not (constraint is not None and constraint.done):
         if cancel is not None and cancel.is_set():
             return
         room = max_new_tokens - produced          # tokens we may still emit
@@ -204,24 +211,37 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
         history.append(token)
         t0 = time.perf_counter()
         drafts, q = drafter.propose(history, k, params, gen) if k > 0 else ([], None)
+        after = None            # the drafter's distribution at a draft the grammar cut
+        if constraint is not None and drafts:
+            # cut at the first token the grammar forbids: the target would reject it anyway
+            m = constraint.allowed_prefix(drafts)
+            if m < len(drafts):
+                after = q[m] if q is not None else None
+                drafts, q = drafts[:m], (q[:m] if q is not None else None)
         t1 = time.perf_counter()
         if drafts:
             # a hybrid's recurrent layers record this pass instead of committing it
             # (engine/models/replay.py): the rollbacks below keep only accepted updates
             with target.cache.record():
                 logits = target.forward([token] + drafts, all_logits=True)
+            if constraint is not None:
+                constraint.mask_rows(logits, drafts)
             if params.greedy:
                 n, nxt = verify_greedy(logits, drafts)
             else:
-                n, nxt = verify_sampled(logits, drafts, q, params, gen)
+                n, nxt = verify_sampled(logits, drafts, q, params, gen, after)
             target.cache.rollback(start + 1 + n)    # forget the rejected drafts
         else:
-            n, nxt = 0, next_token(decode_one_token(target, token), params, gen)
+            logits = decode_one_token(target, token)
+            if constraint is not None:
+                constraint.mask(logits)
+            n, nxt = 0, next_token(logits, params, gen)
         out = drafts[:n] + [nxt]
         for i, t in enumerate(out):
             if t in stop_ids:                       # an accepted draft may end the answer
                 out = out[:i + 1]
                 break
+        out = _commit(constraint, out, stop_ids)
         history.extend(out[:-1])
         target.cache.rollback(len(history))
         # A hybrid replays the accepted updates now, so the pass's time includes it and the
@@ -239,3 +259,18 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
         produced += len(out)
         token = out[-1]
         yield out
+
+
+def _commit(constraint, tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
+    """Advance the grammar over the committed tokens; the answer ends where it is complete.
+    A stop token ends the answer anyway and is not the grammar's to read."""
+    if constraint is None:
+        return tokens
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens
+        if not constraint.consume(t):
+            raise AssertionError("a token the grammar forbids was committed")
+        if constraint.done:
+            return tokens[:i + 1]
+    return tokens

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a thinking model answers at once")
     p.add_argument("--show-thinking", action="store_true",
                    help="one-shot: print the reasoning too (dimmed on a terminal), not only the answer")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="one-shot: the answer is JSON matching the schema in FILE (enforced as it is decoded)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token ids, finish reason, stats) instead of text")
     p.add_argument("--version", action="version", version=f"localchat {__version__}")
@@ -89,6 +91,9 @@ def run(argv: list[str] | None = None) -> int:
     interactive = not args.prompt and sys.stdin.isatty() and sys.stdout.isatty()
     if args.no_log and (args.resume_last or args.cid is not None):
         error("--no-log saves nothing, so it cannot resume a saved conversation (drop --continue/--cid)")
+        return EXIT_USAGE
+    if args.json_schema and interactive and not args.json:
+        error("--json-schema shapes a one-shot answer: pass a prompt (as arguments or on stdin)")
         return EXIT_USAGE
     try:
         if interactive and not args.json:

@@ -169,6 +169,18 @@ class OneshotLog:
         self.db = None
 
 
+def read_schema(path: str):
+    """--json-schema FILE as a grammar, or BadRequest naming the file and what is wrong."""
+    import engine
+    from engine.constrain import loads_schema
+    what = f"--json-schema {path}"
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise engine.BadRequest(f"{what}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    return engine.Grammar.json_schema(loads_schema(text, what), what)
+
+
 def run_oneshot(args, settings) -> int:
     import engine
 
@@ -177,6 +189,11 @@ def run_oneshot(args, settings) -> int:
         error("stdin is not valid UTF-8; undecodable bytes were replaced with U+FFFD")
     if not prompt.strip():
         error("the prompt is empty: pass a question as arguments or on stdin (or run `localchat` in a terminal for the chat UI)")
+        return EXIT_USAGE
+    try:
+        grammar = read_schema(args.json_schema) if getattr(args, "json_schema", None) else None
+    except engine.BadRequest as exc:
+        error(str(exc))
         return EXIT_USAGE
     earlier = None
     if args.resume_last or args.cid is not None:        # before the model loads: a bad --cid fails fast
@@ -205,7 +222,7 @@ def run_oneshot(args, settings) -> int:
     thinking = ThinkingOutput(show_thinking and out.isatty())
     try:
         for ev in chat.send(prompt, max_new_tokens=settings.max_tokens, temperature=settings.temperature,
-                            top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed):
+                            top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed, grammar=grammar):
             if isinstance(ev, engine.TextDelta):
                 if stream and ev.reasoning and show_thinking:
                     out.write(thinking.reasoning(ev.text))

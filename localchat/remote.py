@@ -169,7 +169,7 @@ class RemoteChat(Messages):
                 pass
 
     def send(self, text: str, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int | None = None):
+             top_k: int = 0, seed: int | None = None, grammar=None):
         if not text or not text.strip():
             raise engine.BadRequest("the prompt is empty; type a question")
         engine.SamplingParams(temperature, top_k, top_p, seed)      # the same checks as a local answer
@@ -182,6 +182,9 @@ class RemoteChat(Messages):
             body["seed"] = seed
         if self.thinking is not None:          # vLLM, SGLang, llama-server and localchat take it
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking}
+        if grammar is not None:                # the server enforces it (or refuses it with a 400)
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "answer", "schema": grammar.schema, "strict": True}}
         self._cancel.clear()
         self.messages.append({"role": "user", "content": text})
         answer = {"role": "assistant", "content": ""}

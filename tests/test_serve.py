@@ -111,8 +111,10 @@ def test_bad_requests_get_openais_error_with_the_field(server, client):
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
               400, "messages"),
              ({"messages": [{"role": "tool", "content": "42"}]}, 400, "messages"),
-             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400,
-              "response_format"),
+             ({"response_format": {"type": "json_schema",
+                                   "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+              400, "response_format"),
+             ({"response_format": {"type": "yaml"}}, 400, "response_format"),
              ({"model": "gpt-4"}, 404, "model")]
     for extra, status, param in cases:
         got, body, _ = server.request("POST", "/v1/chat/completions", {"model": "served", "messages": MSGS, **extra})

@@ -39,6 +39,7 @@ class ChatRequest:
     include_usage: bool = False
     prompt: str | None = None        # /v1/completions: plain text to continue (messages unused)
     thinking: bool | None = None     # chat_template_kwargs.enable_thinking (None: the template's default)
+    grammar: object = None           # engine.Grammar the answer must match (response_format), or None
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -120,11 +121,32 @@ def parse_chat(body) -> ChatRequest:
     for name in ("tools", "functions"):
         if body.get(name):
             raise _bad(name, "tool calls are not supported by this server")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        # refused rather than ignored: a 200 whose answer breaks the asked-for schema is worse
-        raise _bad("response_format", "only {\"type\": \"text\"}: JSON output is not enforced by this server yet")
     return _request(body, messages=_messages(body))
+
+
+def _grammar(body: dict):
+    """response_format as a grammar the answer is decoded under, or None for text. Every
+    schema is enforced (`strict` or not): a schema constrained decoding cannot enforce is
+    refused naming the feature, never answered as if it were absent."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    import engine
+    try:
+        if kind == "json_object":
+            return engine.Grammar.json_object("response_format")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise _bad("response_format", "json_schema must be an object with a schema object: "
+                           "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            return engine.Grammar.json_schema(spec.get("schema", {}), "response_format")
+    except engine.BadRequest as exc:
+        raise ApiError(400, str(exc), param="response_format") from None
+    raise _bad("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
 
 
 def parse_completion(body) -> ChatRequest:
@@ -181,7 +203,7 @@ def _request(body: dict, messages: list[dict], prompt: str | None = None) -> Cha
     thinking = kwargs.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise _bad("chat_template_kwargs.enable_thinking", "must be true or false")
-    return ChatRequest(thinking=thinking,
+    return ChatRequest(thinking=thinking, grammar=_grammar(body),
         model=body["model"], messages=messages, prompt=prompt, max_tokens=max_tokens,
         temperature=float(_number(body, "temperature", 0.0, 0, 2)),
         top_p=float(_number(body, "top_p", 1.0, 0, 1)) or _raise(_bad("top_p", "must be above 0")),

@@ -115,15 +115,17 @@ class Runner:
                         top_p=r.top_p, top_k=r.top_k, seed=None if r.seed is None else r.seed % (1 << 63))
         try:
             if r.prompt is not None:                     # /v1/completions: plain text, no template
-                events = chat.complete(r.prompt, **sampling)
+                events = chat.complete(r.prompt, grammar=r.grammar, **sampling)
             else:
                 chat.restore(r.messages[:-1])
                 chat.thinking = r.thinking
-                events = chat.send(r.messages[-1]["content"], **sampling)
+                events = chat.send(r.messages[-1]["content"], grammar=r.grammar, **sampling)
         except engine.BadRequest as exc:
             code = "context_length_exceeded" if "context" in str(exc) else None
-            job.push(("error", ApiError(400, str(exc), param="messages" if r.prompt is None else "prompt",
-                                        code=code)))
+            param = "messages" if r.prompt is None else "prompt"
+            if str(exc).startswith("response_format"):
+                param = "response_format"
+            job.push(("error", ApiError(400, str(exc), param=param, code=code)))
             return
         watch = StopWatch(r.stop)
         reason = None
