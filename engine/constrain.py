@@ -63,6 +63,11 @@ class Grammar:
         return cls(source, what, schema)
 
 
+def json_rule(schema) -> str:
+    """A JSON value matching `schema` inside a lark grammar, written as a JSON answer is."""
+    return "%json " + json.dumps({**closed(schema), "x-guidance": _JSON_OPTIONS})
+
+
 def closed(schema):
     """The schema with every object that lists its properties closed to others, unless it
     says otherwise (and unbounded integers bounded, below): JSON Schema's default admits any further key, and a small model then

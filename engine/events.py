@@ -61,3 +61,6 @@ class Done:
     error: str = ""
     bad_weights: bool = False       # the error is the checkpoint's (non-finite weights): nothing to retry
     reasoning: str = ""             # a thinking model's reasoning, apart from `text` (the answer)
+    # the calls the answer made ({"name", "arguments": dict}, ...), `text` then what came before them
+    tool_calls: tuple = ()
+    tool_error: str = ""            # text that began a call but is not one (it stays in `text`)

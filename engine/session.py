@@ -18,7 +18,7 @@ from .cache import common_prefix
 from .detokenize import IncrementalDecoder
 from .checkpoint import nonfinite_reason
 from .errors import BadRequest, BadWeights, EngineError
-from . import constrain, reasoning
+from . import constrain, reasoning, tools as toolcalls
 from .events import Done, Stats, TextDelta
 from .sampling import SamplingParams, make_generator
 from .stats import StatsTracker
@@ -26,39 +26,56 @@ from .stats import StatsTracker
 _FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
-def render_text(tokenizer, messages: list[dict], thinking: bool | None = None) -> tuple[str, bool]:
+def render_text(tokenizer, messages: list[dict], thinking: bool | None = None,
+                tools: list | None = None) -> tuple[str, bool]:
     """The conversation as text, ending where the assistant's answer begins, and whether
     the tokenizer should add its own special tokens (only for the no-template fallback).
-    `thinking`: the template's `enable_thinking` (None: the template's default)."""
+    `thinking`: the template's `enable_thinking` (None: the template's default).
+    `tools`: engine.tools.Tool descriptions the template lists for the model."""
     if getattr(tokenizer, "chat_template", None):
         extra = {} if thinking is None else {"enable_thinking": thinking}
+        if tools:
+            extra["tools"] = [t.as_template() for t in tools]
         try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 **extra), False
+            return tokenizer.apply_chat_template([_templated(m) for m in messages], tokenize=False,
+                                                 add_generation_prompt=True, **extra), False
         except Exception as exc:
             if messages and messages[0]["role"] == "system":
                 # Some templates refuse a system role: fold it into the first user message.
                 system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
                 if rest:
                     rest[0]["content"] = f"{system}\n\n{rest[0]['content']}"
-                return render_text(tokenizer, rest, thinking)
+                return render_text(tokenizer, rest, thinking, tools)
             raise BadRequest(f"the model's chat template failed: {exc}") from None
     # A base model without a template: a plain transcript it can continue.
     text = "".join(f"{_FALLBACK_ROLES.get(m['role'], m['role'])}: {m['content']}\n\n" for m in messages)
     return text + "Assistant:", True
 
 
-def _deltas(splitter, text: str, last: bool = False):
-    """TextDelta events for newly decoded `text`: as it is, or split into reasoning and answer."""
-    if splitter is None:
-        if text:
-            yield TextDelta(text)
-        return
-    pieces = splitter.push(text) if text else []
-    if last:
+def _templated(m: dict) -> dict:
+    """A message as chat templates read it: tool calls in OpenAI's shape, arguments a mapping."""
+    if not m.get("tool_calls"):
+        return m
+    calls = [{"type": "function", "id": c.get("id", ""), "function": {"name": c["name"], "arguments": c["arguments"]}}
+             for c in m["tool_calls"]]
+    return {**m, "tool_calls": calls}
+
+
+def _deltas(splitter, watch, text: str, last: bool = False):
+    """TextDelta events for newly decoded `text`: split into reasoning and answer where the
+    model reasons, the answer's tool calls held back where it may call tools."""
+    pieces = ([(False, text)] if text else []) if splitter is None else (splitter.push(text) if text else [])
+    if last and splitter is not None:
         pieces += splitter.flush()
     for is_reasoning, piece in pieces:
-        yield TextDelta(piece, is_reasoning)
+        if not is_reasoning and watch is not None:
+            piece = watch.push(piece)
+        if piece:
+            yield TextDelta(piece, is_reasoning)
+    if last and watch is not None:
+        tail = watch.flush()
+        if tail:
+            yield TextDelta(tail)
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -91,12 +108,25 @@ class Messages:
     def restore(self, messages: list[dict]) -> None:
         """Replace the conversation (a saved one resumed, or the turns before a retried
         answer). Not while an answer is being generated. The KV cache is not touched:
-        the next turn keeps whatever prefix of it still matches, as any turn does."""
-        roles = ("system", "user", "assistant")
+        the next turn keeps whatever prefix of it still matches, as any turn does.
+        An assistant message may hold `tool_calls` ({name, arguments: dict, id?}), and a
+        `tool` message a call's result (content, tool_call_id?)."""
+        roles = ("system", "user", "assistant", "tool")
+        out = []
         for i, m in enumerate(messages):
             if m.get("role") not in roles or not isinstance(m.get("content"), str):
                 raise BadRequest(f"message {i}: needs a role ({', '.join(roles)}) and text content")
-        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+            kept = {"role": m["role"], "content": m["content"]}
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                calls = m["tool_calls"]
+                if not all(isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
+                           for c in calls):
+                    raise BadRequest(f"message {i}: each tool call needs a name and an arguments object")
+                kept["tool_calls"] = [dict(c) for c in calls]
+            if m["role"] == "tool" and m.get("tool_call_id"):
+                kept["tool_call_id"] = str(m["tool_call_id"])
+            out.append(kept)
+        self.messages = out
 
 
 class Chat(Messages):
@@ -122,10 +152,10 @@ class Chat(Messages):
         """Stop the answer in progress between two steps; its text stays in the conversation."""
         self._cancel.set()
 
-    def _prompt(self) -> tuple[list[int], str]:
+    def _prompt(self, tools=None) -> tuple[list[int], str]:
         """Token ids and text of the conversation up to the answer about to be written."""
         tok = self.engine.tokenizer
-        text, special = render_text(tok, self.messages[:-1], self.thinking)
+        text, special = render_text(tok, self.messages[:-1], self.thinking, tools)
         if self._turn_text and text.startswith(self._turn_text):
             return self._turn_ids + encode(tok, text[len(self._turn_text):]), text
         return encode(tok, text, special), text
@@ -133,31 +163,74 @@ class Chat(Messages):
     # -- a turn
     def send(self, text: str, max_new_tokens: int = 512, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             grammar: constrain.Grammar | None = None) -> Iterator:
+             grammar: constrain.Grammar | None = None, tools: list | None = None,
+             tool_choice: str = "auto", parallel_tool_calls: bool = True) -> Iterator:
         """Add a user message and stream the answer: TextDelta..., Stats..., Done.
         `grammar`: the answer (after any reasoning) must match it (engine.constrain).
+        `tools` (engine.tools.Tool): the template lists them and the calls the model writes
+        come in Done.tool_calls; `tool_choice` auto | none | required | a tool's name
+        (required and a name are enforced by a grammar).
         Bad arguments raise BadRequest before anything changes; failures during the
         answer end it with Done('error') and keep what was written."""
         if not text or not text.strip():
             raise BadRequest("the prompt is empty; type a question")
+        self.messages.append({"role": "user", "content": text})
+        try:
+            return self.reply(max_new_tokens, temperature, top_p, top_k, seed, grammar, tools, tool_choice,
+                              parallel_tool_calls)
+        except BadRequest:
+            del self.messages[-1]
+            raise
+
+    def reply(self, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+              seed: int | None = None, grammar: constrain.Grammar | None = None, tools: list | None = None,
+              tool_choice: str = "auto", parallel_tool_calls: bool = True) -> Iterator:
+        """The next answer to the conversation as it stands (its last message the user's, or
+        a tool's result), streamed as send() streams it."""
+        if not self.messages or self.messages[-1]["role"] not in ("user", "tool"):
+            raise BadRequest("the conversation must end with a user message or a tool result to answer")
         if max_new_tokens <= 0:
             raise BadRequest(f"--max-tokens {max_new_tokens}: must be at least 1")
         params = SamplingParams(temperature, top_k, top_p, seed)
-        self.messages.append({"role": "user", "content": text})
+        fam, tools, grammar = self._tools(tools, tool_choice, parallel_tool_calls, grammar)
         answer = {"role": "assistant", "content": ""}
         self.messages.append(answer)
         try:
-            rendered = self._prompt()
+            rendered = self._prompt(tools)
             room = self.engine.target.cache.max_positions
             if len(rendered[0]) >= room:    # the answer needs at least one position more
                 raise BadRequest(f"the conversation is {len(rendered[0])} tokens and the model's context holds "
                                  f"{room}; shorten the prompt or start a new chat")
             constraint = self._constraint(grammar, rendered[1], split=True)
         except BadRequest:
-            del self.messages[-2:]           # refused: the conversation is as it was
+            del self.messages[-1]            # refused: the conversation is as it was
             raise
         self._cancel.clear()
-        return self._answer(answer, params, max_new_tokens, rendered, constraint=constraint)
+        return self._answer(answer, params, max_new_tokens, rendered, constraint=constraint,
+                            calls=(fam, tools) if tools else None)
+
+    def _tools(self, tools, choice: str, parallel: bool, grammar):
+        """The tool-call family, the tools the template lists, and the grammar the answer
+        is held to (a required or named choice)."""
+        if not tools or choice == "none":
+            return None, None, grammar
+        fam = toolcalls.family(self.engine.tokenizer)
+        if fam is None:
+            raise BadRequest("tools: this model's chat template has no tool-call format; serve it with a template "
+                             "that has one (--chat-template FILE)")
+        if choice == "auto":
+            return fam, tools, grammar
+        if grammar is not None:
+            raise BadRequest("response_format: a required tool call and a response format cannot both hold; "
+                             "drop one")
+        if choice != "required":
+            named = [t for t in tools if t.name == choice]
+            if not named:
+                raise BadRequest(f"tool_choice: no tool named {choice!r} among the tools")
+            tools_called = named
+        else:
+            tools_called = tools
+        return fam, tools, toolcalls.grammar(fam, tools_called, parallel and choice == "required")
 
     def _constraint(self, grammar, prompt_text: str, split: bool):
         if grammar is None:
@@ -196,13 +269,14 @@ class Chat(Messages):
             self._turn_text, self._turn_ids = "", []       # a chat turn after it renders afresh
 
     def _answer(self, answer: dict, params: SamplingParams, max_new_tokens: int,
-                rendered: tuple[list[int], str], split: bool = True, constraint=None) -> Iterator:
+                rendered: tuple[list[int], str], split: bool = True, constraint=None, calls=None) -> Iterator:
         eng, target = self.engine, self.engine.target
         detok = IncrementalDecoder(eng.tokenizer)
         # the conversation's content keeps the model's text whole (its template splits
         # reasoning off past turns); the deltas and Done carry the two apart
         splitter = (reasoning.Splitter(reasoning.open_at_end(rendered[1]))
                     if split and reasoning.thinks(eng.tokenizer) else None)
+        watch = toolcalls.CallWatch(calls[0]) if calls else None
         generated: list[int] = []
         reason, error, bad_weights = "length", "", False
         tracker = None
@@ -248,10 +322,10 @@ class Chat(Messages):
                     delta = detok.push(shown) if shown else ""
                     if delta:
                         answer["content"] += delta
-                        if splitter is None:          # the common case, per pass: no generator
+                        if splitter is None and watch is None:    # the common case, per pass: no generator
                             yield TextDelta(delta)
                         else:
-                            yield from _deltas(splitter, delta)
+                            yield from _deltas(splitter, watch, delta)
                     if tokens[-1] in eng.stop_ids or (constraint is not None and constraint.done):
                         reason = "stop"
                     if tracker.due():
@@ -272,7 +346,7 @@ class Chat(Messages):
             tail = detok.flush()
             if tail:
                 answer["content"] += tail
-            tail_deltas = list(_deltas(splitter, tail, last=True))
+            tail_deltas = list(_deltas(splitter, watch, tail, last=True))
             if self.engine.cache_owner is self:
                 # A pass that failed midway committed nothing: keep the bookkeeping honest.
                 self.cached_ids = self.cached_ids[:target.cache.length]
@@ -286,7 +360,13 @@ class Chat(Messages):
                 self._turn_ids = prompt + kept
             text, thought = ((splitter.answer, splitter.reasoning.strip()) if splitter is not None
                              else (answer["content"], ""))
-            self.last_done = Done(reason, tuple(generated), text, error, bad_weights, thought)
+            found = toolcalls.Parsed(text)
+            if calls:
+                found = toolcalls.parse(calls[0], text, calls[1])
+                if not found.calls and watch.in_call and watch.held:
+                    tail_deltas.append(TextDelta(watch.held))    # held as a call, and not one: text after all
+            self.last_done = Done(reason, tuple(generated), found.content, error, bad_weights, thought,
+                                  found.calls, found.error)
         yield from tail_deltas
         yield self.last_stats if self.last_stats else Stats()
         yield self.last_done

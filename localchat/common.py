@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from dataclasses import fields, replace
 
 from . import config as config_mod
@@ -29,6 +30,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "resident-int4, streamed-exact")
     p.add_argument("--context", type=int, metavar="N",
                    help="tokens of conversation to plan memory for (default: 4096 when streaming)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's own (one that has tool calls, say)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's where the device is fast at it, else float32)")
     spec = p.add_argument_group("speculative decoding (never changes the answer)")
@@ -93,7 +96,23 @@ def check_flags(s: config_mod.Settings) -> str | None:
         return f"--context {s.context}: must be at least 16 tokens"
     if s.drafter == "model" and not s.draft_model:
         return "--drafter model needs --draft-model PATH_OR_REPO"
+    if s.chat_template is not None:
+        try:
+            read_template(s.chat_template)
+        except ValueError as exc:
+            return str(exc)
     return None
+
+
+def read_template(path: str) -> str:
+    """--chat-template FILE's text, or ValueError saying what is wrong in one line."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    if "{%" not in text and "{{" not in text:
+        raise ValueError(f"--chat-template {path}: not a Jinja chat template (no {{% or {{{{ in it)")
+    return text
 
 
 def error(msg: str) -> None:
@@ -142,6 +161,8 @@ def open_engine(settings: config_mod.Settings, progress=None, api_key: str | Non
                       drafter_weights=settings.drafter_weights, profile_dir=config_mod.config_dir() / "profiles",
                       memory_budget=settings.vram, host_memory=settings.ram, profile=settings.profile,
                       context=settings.context, progress=progress)
+    if settings.chat_template:
+        eng.tokenizer.chat_template = read_template(settings.chat_template)
     note = eng.describe().get("kernels", "")          # "none (why): torch's kernels" where none runs
     if "cannot build the kernels there" in note:       # it answers, several times slower: say why
         error(f"{note[note.index('(') + 1:note.rindex(')')]}; answering with torch's kernels")

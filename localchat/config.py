@@ -35,6 +35,7 @@ class Settings:
     usable_tps: float = 10.0          # setup recommends models predicted to decode at least this fast
     backend: str | None = None        # an OpenAI-compatible server's URL: answer there, load no model
     backend_model: str | None = None  # which of its models (default: the first it lists)
+    chat_template: str | None = None  # a Jinja chat template file used instead of the model's own
 
 
 # The environment names each setting takes, e.g. LOCALCHAT_MODEL, LOCALCHAT_MAX_TOKENS.

@@ -145,8 +145,15 @@ async def _next(job: Job, request: Request):
                 job.cancelled.set()
 
 
+def openai_calls(calls) -> list[dict]:
+    """The engine's calls in OpenAI's shape: an id each, the arguments as a JSON string."""
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+            for c in calls]
+
+
 async def _whole(job, cid, created, model, profile, request, t0, text: bool = False):
-    parts, thought = [], []
+    parts, thought, calls, call_error = [], [], [], ""
     try:
         while True:
             kind, value = await _next(job, request)
@@ -154,6 +161,10 @@ async def _whole(job, cid, created, model, profile, request, t0, text: bool = Fa
                 parts.append(value)
             elif kind == "reasoning":
                 thought.append(value)
+            elif kind == "tool_calls":
+                calls = openai_calls(value)
+            elif kind == "tool_error":
+                call_error = value
             elif kind == "error":
                 _log(value.status, request.url.path, t0, note=value.message)
                 return _error(value)
@@ -166,8 +177,13 @@ async def _whole(job, cid, created, model, profile, request, t0, text: bool = Fa
         _log(499, request.url.path, t0, value and value["stats"], "the client left; the answer was stopped")
         return JSONResponse({}, status_code=499)
     stats = value["stats"]
-    _log(200, request.url.path, t0, stats)
+    _log(200, request.url.path, t0, stats, call_error and f"not a tool call: {call_error}")
     message = {"role": "assistant", "content": "".join(parts)}
+    if calls:            # as OpenAI answers a call: content null unless the model wrote text first
+        message["content"] = message["content"] or None
+        message["tool_calls"] = calls
+    if call_error:       # the text stays in content; why it is not a call, said beside it
+        message["tool_call_error"] = call_error
     if thought:         # both names: vLLM and llama-server say reasoning_content, OpenRouter reasoning
         message["reasoning_content"] = message["reasoning"] = "".join(thought).strip()
     choice = {"text": "".join(parts)} if text else {"message": message}
@@ -188,7 +204,7 @@ async def _stream(job, first, cid, created, model, profile, request, t0, text: b
         part = {"text": delta.get("content", "")} if text else {"delta": delta}
         return _sse({"id": cid, "object": kind_of, "created": created, "model": model,
                      "choices": [{"index": 0, **part, "finish_reason": finish, "logprobs": None}], **more})
-    done = False
+    done, call_error = False, ""
     try:
         if not text:
             yield chunk({"role": "assistant", "content": ""})
@@ -199,6 +215,11 @@ async def _stream(job, first, cid, created, model, profile, request, t0, text: b
                 yield chunk({"content": value})
             elif kind == "reasoning":
                 yield chunk({"reasoning_content": value, "reasoning": value})
+            elif kind == "tool_calls":
+                yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(openai_calls(value))]})
+            elif kind == "tool_error":
+                call_error = value
+                yield chunk({"tool_call_error": value})
             elif kind == "error":
                 _log(value.status, request.url.path, t0, note=value.message)
                 yield _sse(value.body())
@@ -210,7 +231,8 @@ async def _stream(job, first, cid, created, model, profile, request, t0, text: b
                     if job.request.include_usage:
                         yield _sse({"id": cid, "object": kind_of, "created": created,
                                     "model": model, "choices": [], "usage": usage(stats)})
-                _log(200, request.url.path, t0, stats, "streamed")
+                _log(200, request.url.path, t0, stats, "streamed" + (f"; not a tool call: {call_error}"
+                                                                      if call_error else ""))
                 break
         yield b"data: [DONE]\n\n"
         done = True

@@ -1,10 +1,11 @@
 """What a chat completion request asks for, read from its JSON body and checked field by
 field: every mistake is an ApiError naming the field, in OpenAI's error shape, before
 anything runs. Fields this engine does not implement are refused when they would change
-the answer (tools, images, n > 1, penalties) and ignored when they would not (user,
+the answer (images, n > 1, penalties) and ignored when they would not (user,
 metadata...): a client written for OpenAI sends those by default."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -40,6 +41,9 @@ class ChatRequest:
     prompt: str | None = None        # /v1/completions: plain text to continue (messages unused)
     thinking: bool | None = None     # chat_template_kwargs.enable_thinking (None: the template's default)
     grammar: object = None           # engine.Grammar the answer must match (response_format), or None
+    tools: list | None = None        # engine.tools.Tool the model may call
+    tool_choice: str = "auto"        # auto | none | required | a tool's name
+    parallel_tool_calls: bool = True
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -62,7 +66,7 @@ def _content(i: int, m: dict) -> str:
     if isinstance(c, str):
         return c
     if c is None and m.get("role") == "assistant" and m.get("tool_calls"):
-        raise ApiError(400, f"messages[{i}]: tool calls are not supported by this server", param="messages")
+        return ""
     if isinstance(c, list):
         parts = []
         for part in c:
@@ -90,18 +94,76 @@ def _messages(body: dict) -> list[dict]:
         role = m.get("role")
         if role == "developer":               # OpenAI's newer name for the system role
             role = "system"
-        if role in ("tool", "function"):
-            raise ApiError(400, f"messages[{i}]: tool results are not supported by this server", param="messages")
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}]: role must be system, user or assistant, got {role!r}",
+        if role == "function":
+            raise ApiError(400, f"messages[{i}]: the function role is OpenAI's old form; send role tool with "
+                           "tool_call_id", param="messages")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{i}]: role must be system, user, assistant or tool, got {role!r}",
                            param="messages")
-        out.append({"role": role, "content": _content(i, m)})
-    if out[-1]["role"] != "user":
-        raise ApiError(400, "messages: the last message must be the user's (the answer to write is the next one)",
-                       param="messages")
-    if not out[-1]["content"].strip():
+        msg = {"role": role, "content": _content(i, m)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _calls(i, m["tool_calls"])
+        if role == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = str(m["tool_call_id"])
+        out.append(msg)
+    if out[-1]["role"] not in ("user", "tool"):
+        raise ApiError(400, "messages: the last message must be the user's or a tool result (the answer to write "
+                       "is the next one)", param="messages")
+    if out[-1]["role"] == "user" and not out[-1]["content"].strip():
         raise ApiError(400, "messages: the last user message is empty", param="messages")
     return out
+
+
+def _calls(i: int, calls) -> list[dict]:
+    """An assistant message's tool_calls as the engine keeps them: name, arguments as a mapping."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{i}].tool_calls: must be a list", param="messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}]: needs function.name and function.arguments",
+                           param="messages")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments: must be a JSON object "
+                           "(as a string)", param="messages")
+        out.append({"id": str(c.get("id", "")), "name": fn["name"], "arguments": args})
+    return out
+
+
+def _tools(body: dict) -> dict:
+    """tools, tool_choice and parallel_tool_calls (OpenAI's, and `functions` refused by name)."""
+    if body.get("functions"):
+        raise _bad("functions", "OpenAI's old form: send tools (type function) instead")
+    raw = body.get("tools")
+    if not raw:
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise _bad("tool_choice", "names a tool, but the request has no tools")
+        return {}
+    import engine.tools
+    try:
+        tools = engine.tools.read_tools(raw)
+    except engine.BadRequest as exc:
+        raise ApiError(400, str(exc), param="tools") from None
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad("tool_choice", 'must be auto, none, required or {"type": "function", "function": {"name": ...}}')
+        choice = fn["name"]
+        if choice not in {t.name for t in tools}:
+            raise _bad("tool_choice", f"no tool named {choice!r} among the tools")
+    elif choice not in ("auto", "none", "required"):
+        raise _bad("tool_choice", f"must be auto, none, required or a named function, got {choice!r}")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", "must be true or false")
+    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
 
 
 def _stop(body: dict) -> list[str]:
@@ -118,10 +180,11 @@ def _stop(body: dict) -> list[str]:
 
 def parse_chat(body) -> ChatRequest:
     _common(body)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise _bad(name, "tool calls are not supported by this server")
-    return _request(body, messages=_messages(body))
+    tools = _tools(body)
+    req = _request(body, messages=_messages(body))
+    for name, value in tools.items():
+        setattr(req, name, value)
+    return req
 
 
 def _grammar(body: dict):

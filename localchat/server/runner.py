@@ -117,14 +117,16 @@ class Runner:
             if r.prompt is not None:                     # /v1/completions: plain text, no template
                 events = chat.complete(r.prompt, grammar=r.grammar, **sampling)
             else:
-                chat.restore(r.messages[:-1])
+                chat.restore(r.messages)
                 chat.thinking = r.thinking
-                events = chat.send(r.messages[-1]["content"], grammar=r.grammar, **sampling)
+                events = chat.reply(grammar=r.grammar, tools=r.tools, tool_choice=r.tool_choice,
+                                    parallel_tool_calls=r.parallel_tool_calls, **sampling)
         except engine.BadRequest as exc:
             code = "context_length_exceeded" if "context" in str(exc) else None
             param = "messages" if r.prompt is None else "prompt"
-            if str(exc).startswith("response_format"):
-                param = "response_format"
+            for field in ("response_format", "tools", "tool_choice"):
+                if str(exc).startswith(field):
+                    param = field
             job.push(("error", ApiError(400, str(exc), param=param, code=code)))
             return
         watch = StopWatch(r.stop)
@@ -149,6 +151,11 @@ class Runner:
                     if ev.reason == "error":
                         job.push(("error", ApiError(500, f"the answer failed: {ev.error}", kind="server_error")))
                         return
+                    if ev.tool_error:
+                        job.push(("tool_error", ev.tool_error))
+                    if ev.tool_calls:
+                        job.push(("tool_calls", ev.tool_calls))
+                        reason = reason or "tool_calls"
                     if reason is None:
                         reason = {"stop": "stop", "length": "length"}.get(ev.reason, "stop")
         finally:
