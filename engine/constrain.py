@@ -18,6 +18,7 @@ import json
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import BadRequest
@@ -219,29 +220,52 @@ class Constraint:
         self._reasoning = "".join(text for _, _, text in self._steps[-8:])[-4 * len(CLOSE):]
 
     # -- masks
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """Forbidden tokens of the next position set to -inf, in place ([vocab] or [1, vocab])."""
+    def _fill(self, row: int) -> bool:
+        """The allowed tokens of the next position as bits in self._bits[row]; False while
+        reasoning (nothing masked)."""
         if self.phase == THINKING:
-            return logits
-        self._torch.fill_next_token_bitmask(self.matcher, self._bits, 0)
+            return False
+        self._torch.fill_next_token_bitmask(self.matcher, self._bits, row)
         if self.phase == FREE_FIRST and self.open_id is not None:
             word, bit = divmod(self.open_id, 32)
-            self._bits[0, word] |= _bit(bit)
-        if not self._bits.any():
-            raise BadRequest(f"{self.what}: no token can continue the answer "
-                             f"({self.error() or 'the grammar has no way on'})")
-        self._torch.apply_token_bitmask_inplace(logits.view(-1, logits.shape[-1])[0], self._bits[0])
+            self._bits[row, word] |= _bit(bit)
+        return True
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """Forbidden tokens of the next position set to -inf, in place ([vocab] or [1, vocab])."""
+        if self._fill(0):
+            self._apply(logits.view(1, -1), 0, 1)
         return logits
 
     def mask_rows(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """Rows of a verify pass over [token] + drafts: row i masked as the state after
         drafts[:i] allows. The drafts must be allowed (allowed_prefix); the state is as before."""
-        for i in range(len(drafts) + 1):
-            self.mask(logits[i])
+        n = len(drafts) + 1
+        if self._bits.shape[0] < n:
+            self._bits = self._torch.allocate_token_bitmask(n, self.vocab)
+        masked = []
+        for i in range(n):
+            if self._fill(i):
+                masked.append(i)
             if i < len(drafts) and not self.consume(drafts[i]):
                 raise AssertionError("a draft the grammar forbids reached verification")
         self.rollback(len(drafts))
+        if masked:            # reasoning rows come first: the masked ones are a tail
+            self._apply(logits[masked[0]:n], masked[0], n)
         return logits
+
+    def _apply(self, logits: torch.Tensor, lo: int, hi: int) -> None:
+        """-inf where self._bits[lo:hi] has no bit. Unpacked with numpy: llguidance's own
+        helper is a torch.compile'd function (seconds to compile, and a C++ compiler)."""
+        bits = self._bits[lo:hi].numpy()
+        if not bits.any(axis=-1).all():
+            raise BadRequest(f"{self.what}: no token can continue the answer "
+                             f"({self.error() or 'the grammar has no way on'})")
+        allowed = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :logits.shape[-1]]
+        if logits.device.type == "cpu":
+            np.putmask(logits.numpy(), allowed == 0, -np.inf)
+        else:
+            logits.masked_fill_(torch.from_numpy(allowed == 0).to(logits.device, non_blocking=True), float("-inf"))
 
 
 def _bit(i: int) -> int:
