@@ -64,3 +64,4 @@ class Done:
     # the calls the answer made ({"name", "arguments": dict}, ...), `text` then what came before them
     tool_calls: tuple = ()
     tool_error: str = ""            # text that began a call but is not one (it stays in `text`)
+    reasoning_tokens: int = 0       # of token_ids, those written inside the reasoning (to the pass)

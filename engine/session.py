@@ -278,6 +278,7 @@ class Chat(Messages):
                     if split and reasoning.thinks(eng.tokenizer) else None)
         watch = toolcalls.CallWatch(calls[0]) if calls else None
         generated: list[int] = []
+        thought_tokens = 0
         reason, error, bad_weights = "length", "", False
         tracker = None
         try:
@@ -318,6 +319,8 @@ class Chat(Messages):
                 for i, tokens in enumerate(passes):
                     tracker.pass_done(len(tokens), first=i == 0)
                     generated.extend(tokens)
+                    if splitter is not None and splitter.inside:
+                        thought_tokens += len(tokens)
                     shown = [t for t in tokens if t not in eng.stop_ids]
                     delta = detok.push(shown) if shown else ""
                     if delta:
@@ -366,7 +369,7 @@ class Chat(Messages):
                 if not found.calls and watch.in_call and watch.held:
                     tail_deltas.append(TextDelta(watch.held))    # held as a call, and not one: text after all
             self.last_done = Done(reason, tuple(generated), found.content, error, bad_weights, thought,
-                                  found.calls, found.error)
+                                  found.calls, found.error, thought_tokens if thought else 0)
         yield from tail_deltas
         yield self.last_stats if self.last_stats else Stats()
         yield self.last_done

@@ -100,7 +100,7 @@ def run(argv: list[str] | None = None) -> int:
             from .tui.app import run_tui
             return run_tui(lambda s, progress=None: open_engine(s, progress, api_key=args.api_key),
                            settings, data_dir=args.data_dir, resume="last" if args.resume_last else args.cid,
-                           save=not args.no_log)
+                           save=not args.no_log, thinking=args.thinking)
         from .oneshot import run_oneshot
         return run_oneshot(args, settings)
     except KeyboardInterrupt:

@@ -61,6 +61,10 @@ MIGRATIONS: dict[int, list[str]] = {
         "ALTER TABLE conversations ADD COLUMN source TEXT NOT NULL DEFAULT 'chat'",
         "CREATE INDEX conversations_by_update ON conversations(updated_at)",
     ],
+    # A thinking model's reasoning, kept apart from its answer.
+    4: [
+        "ALTER TABLE messages ADD COLUMN reasoning TEXT",
+    ],
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 
@@ -78,6 +82,7 @@ class Message:
     finish_reason: str | None = None
     error: str | None = None
     stats: dict | None = None
+    reasoning: str | None = None      # a thinking model's reasoning before this answer
 
 
 @dataclass(frozen=True)
@@ -190,7 +195,8 @@ class History:
             "VALUES (?, ?, ?, ?, ?, ?)", (title, now, now, model, system, source)).lastrowid)
 
     def add_message(self, conversation_id: int, role: str, content: str, finish_reason: str | None = None,
-                    error: str | None = None, stats: dict | None = None, replaces: int | None = None) -> int:
+                    error: str | None = None, stats: dict | None = None, replaces: int | None = None,
+                    reasoning: str | None = None) -> int:
         """Append a message, committed on return. `replaces`: a message id that this one
         supersedes (a retried answer, an edited prompt): it and every later message of the
         conversation are deleted in the same transaction, so a crash keeps one or the other."""
@@ -200,10 +206,10 @@ class History:
             if replaces is not None:
                 c.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, replaces))
             row = c.execute(
-                "INSERT INTO messages (conversation_id, role, content, created_at, finish_reason, error, stats) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO messages (conversation_id, role, content, created_at, finish_reason, error, stats, "
+                "reasoning) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (conversation_id, role, content, now, finish_reason, error or None,
-                 json.dumps(stats) if stats else None)).lastrowid
+                 json.dumps(stats) if stats else None, reasoning or None)).lastrowid
             c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
             return row
         return self._run(write)
@@ -244,11 +250,11 @@ class History:
         if not rows:
             return None
         conv = Conversation(*rows[0])
-        for (mid, role, content, created, reason, error, stats) in self._read(
-                "SELECT id, role, content, created_at, finish_reason, error, stats FROM messages "
+        for (mid, role, content, created, reason, error, stats, thought) in self._read(
+                "SELECT id, role, content, created_at, finish_reason, error, stats, reasoning FROM messages "
                 "WHERE conversation_id = ? ORDER BY id", (conversation_id,)):
             conv.messages.append(Message(mid, role, content, created, reason, error,
-                                         json.loads(stats) if stats else None))
+                                         json.loads(stats) if stats else None, thought))
         return conv
 
     def last_id(self, source: str | None = "chat") -> int | None:
@@ -322,6 +328,8 @@ def to_markdown(conv: Conversation) -> str:
         lines += ["**System:** " + conv.system, ""]
     for m in conv.messages:
         lines.append("## You" if m.role == "user" else "## Assistant" if m.role == "assistant" else f"## {m.role}")
+        if m.reasoning:
+            lines += ["", "<details><summary>Reasoning</summary>", "", m.reasoning, "", "</details>"]
         lines += ["", m.content, ""]
         if m.finish_reason == "cancelled":
             lines += ["*(stopped)*", ""]

@@ -162,7 +162,7 @@ class OneshotLog:
         from . import history
         try:
             self.db.add_message(self.cid, "assistant", done.text, finish_reason=done.reason, error=done.error,
-                                stats=stats.as_dict() if stats else None)
+                                stats=stats.as_dict() if stats else None, reasoning=done.reasoning)
         except history.HistoryError as exc:
             error(str(exc))
         self.db.close()

@@ -110,30 +110,67 @@ def test_serve_returns_reasoning_content_apart_streamed_and_whole(thinker):
         with pytest.raises(openai.BadRequestError, match="enable_thinking"):
             client.chat.completions.create(model=model, messages=msgs, max_tokens=8,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": "yes"}})
+        # the Responses API: the reasoning is an item of its own, before any message
+        r = client.responses.create(model=model, input="hi", max_output_tokens=8)
+        (item,) = r.output
+        assert item.type == "reasoning" and item.content[0].text.strip() == message.reasoning_content
+        assert r.usage.output_tokens_details.reasoning_tokens == 8 and r.output_text == ""
+        events = list(client.responses.create(model=model, input="hi", max_output_tokens=8, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta").strip() == \
+            message.reasoning_content
     finally:
         server.stop()
 
 
-def test_the_chat_ui_quotes_the_reasoning_above_the_answer(thinker):
+def test_the_chat_ui_folds_the_reasoning_above_the_answer_and_keeps_it_in_history(thinker, tmp_path):
     import asyncio
 
     from localchat.config import Settings
     from localchat.tui.app import ChatApp
     from localchat.tui.widgets import AssistantMessage
     from tui_helpers import SIZE, loader, type_and_send, wait_for
+    from localchat import history
+    from localchat.tui.store import ChatStore
     eng = engine.open(str(thinker), dtype="float32", drafter="none")
+    db = history.History.open(tmp_path / "history.db")
 
     async def main():
-        app = ChatApp(loader(eng), Settings(max_tokens=8))
+        app = ChatApp(loader(eng), Settings(max_tokens=8), ChatStore(db))
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.chat is not None, what="the model to load")
             await type_and_send(pilot, "what is 2 + 2?")
             await wait_for(pilot, lambda: app.chat.last_done is not None and not app.generating, what="the answer")
             done = app.chat.last_done
-            shown = app.query(AssistantMessage).first().text
-            assert done.reasoning and shown.startswith("> ")
-            assert [line[2:] for line in shown.splitlines()] == done.reasoning.splitlines()
+            reply = app.query(AssistantMessage).first()
+            # all 8 tokens were reasoning (the block never closed): folded, its count in the title
+            assert done.reasoning and reply.reasoning.strip() == done.reasoning and reply.text == done.text == ""
+            block = reply.reasoning_block
+            assert block.collapsed and block.title.startswith("Thought for ") and "8 tokens" in block.title
+            await pilot.click(block.query_one("CollapsibleTitle"))
+            await pilot.pause()
+            assert not block.collapsed
+            # /think off: the template closes an empty block, and the model answers at once
+            await type_and_send(pilot, "/think off")
+            await pilot.pause()
+            assert app.chat.thinking is False
+            await type_and_send(pilot, "and 3 + 3?")
+            await wait_for(pilot, lambda: not app.generating and len(app.query(AssistantMessage)) == 2,
+                           what="the second answer")
+            await wait_for(pilot, lambda: app.chat.last_done.text, what="the answer text")
+            assert app.chat.last_done.reasoning == "" and not app.query(AssistantMessage).last().reasoning
+            cid = app.store.cid
+        saved = db.get(cid).messages
+        assert [m.reasoning for m in saved if m.role == "assistant"] == [done.reasoning, None]
+        assert "<summary>Reasoning</summary>" in history.to_markdown(db.get(cid))
+        # resumed: the saved reasoning is shown folded, without seconds
+        app = ChatApp(loader(eng), Settings(max_tokens=8), ChatStore(db), resume=cid)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: len(app.query(AssistantMessage)) == 2, what="the resumed conversation")
+            first = app.query(AssistantMessage).first()
+            assert first.reasoning == done.reasoning and first.reasoning_block.collapsed
+            assert first.reasoning_block.title == "Reasoning"
     asyncio.run(main())
+    db.close()
 
 
 def test_a_backend_s_reasoning_stays_apart_in_the_one_shot(thinker):

@@ -137,3 +137,38 @@ def test_a_tool_round_trip_answers_from_the_result_and_reuses_the_cache(servers)
     # and the answer's tokens, came from the cache
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+
+
+def test_the_responses_api_answers_streams_calls_tools_and_keeps_to_a_schema(servers):
+    """POST /v1/responses (Codex CLI, the Agents SDK) through the real client: the same
+    answer whole and as events, a function_call item and its round trip, text.format."""
+    client = _client(servers[0])
+    whole = client.responses.create(model="demo", input="Why is the sky blue?", max_output_tokens=24)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output_text and whole.usage.output_tokens == 24
+    events = list(client.responses.create(model="demo", input="Why is the sky blue?", max_output_tokens=24,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    flat = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+             "parameters": t["function"]["parameters"]} for t in TOOLS]
+    r = client.responses.create(model="demo", input="What's the weather in Oslo?", tools=flat, max_output_tokens=100,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    follow = client.responses.create(model="demo", tools=flat, max_output_tokens=30, input=[
+        {"role": "user", "content": "What's the weather in Oslo?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "snow", "celsius": -3}'}])
+    assert follow.status in ("completed", "incomplete") and (follow.output_text or follow.output)
+    assert follow.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens
+    prompt, schema = SCHEMAS[1]
+    shaped = client.responses.create(model="demo", input=prompt, max_output_tokens=100, text={"format": {
+        "type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(shaped.output_text), schema)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="demo", input="hi", previous_response_id="resp_1")
+    assert err.value.param == "previous_response_id"

@@ -17,6 +17,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from . import responses
 from .requests import ApiError, parse_chat, parse_completion
 from .runner import Job, Runner
 
@@ -94,8 +95,13 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
     async def completions(request: Request):
         return await answer(request, parse_completion, True)
 
-    async def answer(request: Request, parse, text: bool):
-        """A chat completion, or (`text`) a plain-text completion of a prompt."""
+    @app.post("/v1/responses")
+    async def responses_api(request: Request):
+        return await answer(request, lambda body: parse_chat(responses.chat_body(body)), "responses")
+
+    async def answer(request: Request, parse, text):
+        """A chat completion, (`text` True) a plain-text completion of a prompt, or (`text`
+        "responses") a Responses API answer."""
         t0 = time.monotonic()
         try:
             raw = await request.body()
@@ -106,6 +112,8 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
             except ValueError as exc:
                 raise ApiError(400, f"the request body is not JSON ({exc})") from None
             req = parse(body)
+            if text == "responses" and req.model is None:
+                raise ApiError(400, "model: required: one of GET /v1/models", param="model")
             if req.model not in names:
                 raise ApiError(404, f"model {req.model!r} is not served here; GET /v1/models lists {model_id!r}",
                                param="model", code="model_not_found")
@@ -117,17 +125,12 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
             return _error(exc)
         cid, created = f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         profile = runner.engine.plan.chosen if runner.engine is not None and runner.engine.plan else None
+        if text == "responses":
+            return await _responses(job, body, request, t0)
         if req.stream:
-            # Headers wait for the answer's first event: a request refused in the queue (or a
-            # conversation the context cannot hold) still gets its status, not a 200 stream.
-            try:
-                first = await _next(job, request)
-            except asyncio.CancelledError:
-                job.cancelled.set()
-                raise
-            if first[0] == "error":
-                _log(first[1].status, request.url.path, t0, note=first[1].message)
-                return _error(first[1])
+            first, refused = await _first(job, request, t0)
+            if refused is not None:
+                return refused
             return StreamingResponse(_stream(job, first, cid, created, model_id, profile, request, t0, text),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _whole(job, cid, created, model_id, profile, request, t0, text)
@@ -150,6 +153,21 @@ def openai_calls(calls) -> list[dict]:
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
             for c in calls]
+
+
+async def _first(job, request, t0):
+    """The job's first event, and the response refusing the request if that is an error.
+    Headers wait for it: a request refused in the queue (or a conversation the context
+    cannot hold) still gets its status, not a 200 stream."""
+    try:
+        first = await _next(job, request)
+    except asyncio.CancelledError:
+        job.cancelled.set()
+        raise
+    if first[0] == "error":
+        _log(first[1].status, request.url.path, t0, note=first[1].message)
+        return first, _error(first[1])
+    return first, None
 
 
 async def _whole(job, cid, created, model, profile, request, t0, text: bool = False):
@@ -191,6 +209,66 @@ async def _whole(job, cid, created, model, profile, request, t0, text: bool = Fa
             "model": model, "choices": [{"index": 0, **choice, "finish_reason": value["finish_reason"],
                                          "logprobs": None}],
             "usage": usage(stats), "timings": timings(stats, profile)}
+
+
+async def _responses(job, body: dict, request, t0):
+    """A Responses API answer, whole or as its semantic events."""
+    rid, created = responses.new_id()
+    build = responses.Builder(rid, model_of(job), created, body)
+    first, refused = await _first(job, request, t0)
+    if refused is not None:
+        return refused
+
+    async def events():
+        nonlocal first
+        yield build.start()
+        while True:
+            kind, value = first if first is not None else await _next(job, request)
+            first = None
+            if kind in ("text", "reasoning"):
+                yield build.text(kind, value)
+            elif kind == "tool_calls":
+                yield build.calls(openai_calls(value))
+            elif kind == "error":
+                yield [build._event("error", code=value.code, message=value.message, param=value.param)]
+                return
+            elif kind == "done":
+                if value is None or value.get("cancelled"):
+                    return
+                stats = value["stats"]
+                yield build.finish(value["finish_reason"], responses.usage(stats, value.get("reasoning_tokens", 0)))
+                _log(200, request.url.path, t0, stats, "responses")
+                return
+
+    if not job.request.stream:
+        last = None
+        try:
+            async for evs in events():
+                last = evs[-1] if evs else last
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        if last is None or last[0] not in ("response.completed", "response.incomplete"):
+            err = last[1] if last is not None and last[0] == "error" else {"message": "the client left", "code": None}
+            return JSONResponse({"error": {"message": err["message"], "type": "server_error", "param": None,
+                                           "code": err.get("code")}}, status_code=500 if last else 499)
+        return last[1]["response"]
+
+    async def stream():
+        done = False
+        try:
+            async for evs in events():
+                for kind, data in evs:
+                    yield f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+            done = True
+        finally:
+            if not done:
+                job.cancelled.set()
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def model_of(job) -> str:
+    return job.request.model
 
 
 def _sse(obj) -> bytes:

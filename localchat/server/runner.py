@@ -160,5 +160,7 @@ class Runner:
                         reason = {"stop": "stop", "length": "length"}.get(ev.reason, "stop")
         finally:
             self.answer_seconds = 0.7 * self.answer_seconds + 0.3 * (time.monotonic() - t0)
+        done = chat.last_done
         job.push(("done", {"finish_reason": reason or "stop", "stats": chat.last_stats,
-                           "cancelled": job.cancelled.is_set()}))
+                           "cancelled": job.cancelled.is_set(),
+                           "reasoning_tokens": getattr(done, "reasoning_tokens", 0) if done else 0}))

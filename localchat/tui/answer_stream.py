@@ -13,40 +13,6 @@ from .widgets import AssistantMessage
 FLUSH_SECONDS = 1 / 10      # at most 10 UI updates a second while an answer streams
 
 
-class ReasoningQuote:
-    """A thinking model's reasoning drawn as a Markdown block quote (dimmed, set off by a
-    bar) above its answer: each reasoning line gets "> ", and the answer starts a new block."""
-
-    def __init__(self):
-        self.inside, self.line_start = False, True
-
-    def push(self, text: str, is_reasoning: bool) -> str:
-        if not is_reasoning:
-            if self.inside:
-                self.inside = False
-                return "\n\n" + text
-            return text
-        out = []
-        if not self.inside:
-            self.inside, self.line_start = True, True
-        for ch in text:
-            if self.line_start:
-                out.append("> ")
-                self.line_start = False
-            out.append(ch)
-            if ch == "\n":
-                self.line_start = True
-        return "".join(out)
-
-
-def with_reasoning(done: engine.Done) -> str:
-    """The finished answer as drawn: its reasoning quoted above it, if it had any."""
-    if not done.reasoning:
-        return done.text
-    quote = ReasoningQuote()
-    return quote.push(done.reasoning, True) + (quote.push(done.text, False) if done.text else "")
-
-
 class AnswerStreaming:
     def _generate(self, events, reply: AssistantMessage, replaces_answer: bool) -> None:
         """On the engine thread: drain the engine's events, hand them to the UI in
@@ -54,7 +20,7 @@ class AnswerStreaming:
         try:
             stats, done = self._drain(events, reply)
             self.store.save_answer(done.text, done.reason, done.error, stats.as_dict() if stats else None,
-                                   replace_last=replaces_answer)
+                                   replace_last=replaces_answer, reasoning=done.reasoning)
             # The last batch must be drawn before the final full render replaces it.
             deadline = time.monotonic() + 5
             while self._ui_busy.is_set() and time.monotonic() < deadline and self.is_running:
@@ -65,14 +31,14 @@ class AnswerStreaming:
 
     def _drain(self, events, reply: AssistantMessage) -> tuple[engine.Stats | None, engine.Done]:
         pending: list[str] = []
-        quote = ReasoningQuote()
+        thought: list[str] = []                  # reasoning not yet handed over
         stats = last_stats = None
         done: engine.Done | None = None
         last_flush = 0.0
         try:
             for event in events:
                 if isinstance(event, engine.TextDelta):
-                    pending.append(quote.push(event.text, event.reasoning))
+                    (thought if event.reasoning else pending).append(event.text)
                 elif isinstance(event, engine.Stats):
                     stats = last_stats = event
                 elif isinstance(event, engine.Done):
@@ -82,21 +48,21 @@ class AnswerStreaming:
                     # drew keeps _ui_busy set, and no post would find out.
                     self.chat.cancel()
                 now = time.monotonic()
-                if (done is None and (pending or stats) and now - last_flush >= FLUSH_SECONDS
+                if (done is None and (pending or thought or stats) and now - last_flush >= FLUSH_SECONDS
                         and not self._ui_busy.is_set()):
                     # Hand the batch over without waiting for it to be drawn: the engine
                     # keeps decoding while the UI renders (on two cores, waiting for each
                     # repaint cost a third of the speed). While a batch is still being
                     # drawn, text accumulates here and goes in the next one.
                     self._ui_busy.set()
-                    if not self.post_message(self.Progress(reply, "".join(pending), stats)):
+                    if not self.post_message(self.Progress(reply, "".join(pending), stats, "".join(thought))):
                         # The UI could not take it (the app is closing): end the answer
                         # here; the engine records it as cancelled and keeps the text.
                         self._ui_busy.clear()
                         events.close()
                         done = self.chat.last_done
                         break
-                    pending, stats, last_flush = [], None, now
+                    pending, thought, stats, last_flush = [], [], None, now
         except Exception as exc:   # the engine turns its own failures into Done('error'); this is a bug
             events.close()
             done = engine.Done("error", text=reply_text_fallback(self.chat, pending),

@@ -48,7 +48,7 @@ import engine
 from localchat import config
 from localchat.config import Settings
 
-from .answer_stream import AnswerStreaming, with_reasoning
+from .answer_stream import AnswerStreaming
 from .command_handlers import CommandHandlers
 from .commands import SlashCommandProvider, parse
 from .conversation_handlers import ConversationHandlers
@@ -90,8 +90,9 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStream
     ]
 
     def __init__(self, load_engine: LoadEngine, settings: Settings, store: ChatStore | None = None,
-                 resume: int | str | None = None, save_settings: bool = True) -> None:
+                 resume: int | str | None = None, save_settings: bool = True, thinking: bool | None = None) -> None:
         super().__init__()
+        self.thinking = thinking                        # --think / --no-think, then /think: enable_thinking
         self._load_engine = load_engine
         self.settings = settings
         self.store = store or ChatStore(None)
@@ -309,15 +310,18 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStream
     class Progress(Message):
         """A batch of answer text and the latest stats, posted by the generation thread."""
 
-        def __init__(self, reply: AssistantMessage, text: str, stats: engine.Stats | None) -> None:
+        def __init__(self, reply: AssistantMessage, text: str, stats: engine.Stats | None,
+                     reasoning: str = "") -> None:
             super().__init__()
-            self.reply, self.text, self.stats = reply, text, stats
+            self.reply, self.text, self.stats, self.reasoning = reply, text, stats, reasoning
 
     async def on_chat_app_progress(self, message: "ChatApp.Progress") -> None:
         try:
             if message.stats is not None:
                 self.status_bar.stats = message.stats
                 self.gauges.update(message.stats)
+            if message.reasoning:
+                message.reply.think(message.reasoning)
             if message.text:
                 await message.reply.write(message.text)
         finally:
@@ -339,7 +343,7 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStream
         if stats is not None:
             self.status_bar.stats = stats
             self.gauges.update(stats)
-        await reply.finish(with_reasoning(done), done.reason, done.error)
+        await reply.finish(done.text, done.reason, done.error, done.reasoning, done.reasoning_tokens)
         self._reply = None
         self.status_bar.activity = ""
         await self.report_store_problem()
@@ -441,7 +445,7 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStream
 
 
 def run_tui(load_engine: LoadEngine, settings: Settings, data_dir: str | None = None,
-            resume: int | str | None = None, save: bool = True) -> int:
+            resume: int | str | None = None, save: bool = True, thinking: bool | None = None) -> int:
     """Run the chat app in the terminal until the user quits; the process exit code.
     save=False (--no-log): the database is not even opened; the chat lives in memory."""
     from localchat import history
@@ -452,7 +456,7 @@ def run_tui(load_engine: LoadEngine, settings: Settings, data_dir: str | None = 
         except history.HistoryError as exc:
             problem = str(exc)               # chat in memory; the app shows why
     from .hangup import HangupGuard
-    app = ChatApp(load_engine, settings, ChatStore(db, problem), resume=resume)
+    app = ChatApp(load_engine, settings, ChatStore(db, problem), resume=resume, thinking=thinking)
     guard = HangupGuard(app).install()   # a closed terminal or SIGHUP/SIGTERM ends the app
     try:
         app.run()

@@ -53,6 +53,20 @@ class CommandHandlers:
     async def command_help(self, argument: str) -> None:
         await self.conversation.add_notice(f"{KEYS}\n\n{help_text()}")
 
+    async def command_think(self, argument: str) -> None:
+        choice = {"on": True, "off": False, "": None}.get(argument.lower())
+        if choice is None and argument:
+            self.notify(f"/think {argument}: on, off, or nothing for the model's default", severity="error")
+            return
+        self.thinking = choice
+        if self.chat is not None and hasattr(self.chat, "thinking"):
+            self.chat.thinking = choice          # from the next answer on
+        if self.engine is not None and not _thinks(self.engine):
+            self.notify("This model's template has no reasoning blocks: /think changes nothing", severity="warning")
+            return
+        self.notify({True: "Thinking on: the model reasons first", False: "Thinking off: the model answers at once",
+                     None: "Thinking: the model's default"}[choice], timeout=3)
+
     async def command_system(self, argument: str) -> None:
         if not self._idle_or_say():
             return
@@ -167,3 +181,9 @@ class CommandHandlers:
             self.persist_settings(SAVED_KEYS)
             self.notify("Settings saved", timeout=2)
         self.push_screen(SettingsScreen(self.settings, sorted(self.available_themes)), saved)
+
+
+def _thinks(eng) -> bool:
+    from engine.reasoning import thinks
+    tok = getattr(eng, "tokenizer", None)
+    return tok is None or thinks(tok)          # a backend's model: the server decides

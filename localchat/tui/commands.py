@@ -30,6 +30,8 @@ COMMANDS = (
     SlashCommand("model", "PATH_OR_REPO", "load another model (the conversation carries over)", True),
     SlashCommand("profile", "NAME", "reload the model with a profile: auto, or one `localchat doctor` lists", True),
     SlashCommand("drafter", "KIND", "speculative drafter: auto, ngram, model, mtp, none", True),
+    SlashCommand("think", "[on|off]", "a thinking model reasons first (on) or answers at once (off); "
+                                     "no argument: its template's default"),
     SlashCommand("temperature", "T", "sampling temperature for the next answers (0 = greedy)", True),
     SlashCommand("stats", "", "the statistics of the last answer"),
     SlashCommand("export", "[FILE]", "write this conversation as Markdown (default: ./localchat-ID.md)"),

@@ -33,7 +33,7 @@ class ConversationHandlers:
             if m.role == "user":
                 await self.conversation.add_user(m.content)
             elif m.role == "assistant":
-                await self.conversation.add_finished(m.content, m.finish_reason, m.error)
+                await self.conversation.add_finished(m.content, m.finish_reason, m.error, m.reasoning)
         self.conversation.scroll_end(animate=False)
         messages = conv.engine_messages()
         if self.chat is not None:

@@ -60,6 +60,7 @@ class EngineLoading:
     def _loaded(self, eng: engine.Engine) -> None:
         self._stop_loading_timer()
         chat = eng.chat(system=self.system)
+        chat.thinking = self.thinking
         if self._carry:
             chat.restore(self._carry)
             chat.set_system(self.system)    # a /system typed while loading wins

@@ -75,14 +75,15 @@ class ChatStore:
         self.last_answer = None
 
     def save_answer(self, text: str, reason: str, error: str = "", stats: dict | None = None,
-                    replace_last: bool = False) -> None:
+                    replace_last: bool = False, reasoning: str = "") -> None:
         """Commit an answer that ended (stop, length, cancelled, error); `replace_last`
         (a retry) replaces the previous answer in the same transaction."""
         if self.cid is None:
             return
         replaces = self.last_answer if replace_last else None
         self.last_answer = self._do(lambda db: db.add_message(self.cid, "assistant", text, finish_reason=reason,
-                                                              error=error, stats=stats, replaces=replaces))
+                                                              error=error, stats=stats, replaces=replaces,
+                                                              reasoning=reasoning))
 
     def set_system(self, system: str | None) -> None:
         if self.cid is not None:

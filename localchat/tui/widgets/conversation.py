@@ -30,10 +30,11 @@ class Conversation(VerticalScroll):
         self.anchor()
         return message
 
-    async def add_finished(self, text: str, reason: str | None, error: str | None = None) -> AssistantMessage:
+    async def add_finished(self, text: str, reason: str | None, error: str | None = None,
+                           reasoning: str | None = None) -> AssistantMessage:
         """An answer that already ended (a resumed conversation)."""
         message = await self.add_assistant()
-        await message.finish(text, reason or "stop", error or "")
+        await message.finish(text, reason or "stop", error or "", reasoning or "")
         return message
 
     async def remove_last(self, *kinds: type) -> None:
