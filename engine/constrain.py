@@ -109,13 +109,13 @@ def grammar_tokenizer(tokenizer, vocab: int):
     """llguidance's view of the model's tokenizer (built once per tokenizer: about half a
     second for a 50k vocabulary). `vocab` is the logits' width: ids past the tokenizer's
     own are never allowed."""
-    llg = _llguidance()
-    import llguidance.hf
+    _llguidance()
+    from llguidance import hf
     key = id(tokenizer)
     with _tokenizers_lock:
         entry = _tokenizers.get(key)
         if entry is None or entry[0] is not tokenizer or entry[2] != vocab:
-            entry = (tokenizer, llg.hf.from_tokenizer(tokenizer, n_vocab=vocab), vocab)
+            entry = (tokenizer, hf.from_tokenizer(tokenizer, n_vocab=vocab), vocab)
             _tokenizers[key] = entry
     return entry[1]
 

@@ -1,10 +1,11 @@
 """A thinking model's reasoning, told apart from its answer: the splitter on text cut
-anywhere, and the engine, one-shot and serve on a tiny random model whose template opens
-the reasoning block in the prompt (as Qwen3.5's does) unless enable_thinking is false (then
-it writes an empty block, as Qwen3's and Qwen3.5's do)."""
+anywhere; the published templates of Qwen3 (the model opens the block) and Qwen3.5 (the
+prompt opens it), tests/templates/; and the engine, one-shot, serve and the chat UI on a
+tiny random model with Qwen3.5's template (an empty block when enable_thinking is false)."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -14,12 +15,8 @@ from engine.reasoning import Splitter, open_at_end, thinks
 from serving import Server
 from tiny import build_model
 
-# A template of the shape Qwen3.5's has at the generation prompt (written for this test).
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}")
+TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATE = (TEMPLATES / "qwen3_5.jinja").read_text()       # Qwen3.5's, as published
 
 
 def split(chunks, inside=False):
@@ -43,6 +40,29 @@ def test_a_block_the_prompt_opened_and_text_that_only_looks_like_a_tag():
     assert split(["Done. Then <think>x</think>"])[1:] == ("", "Done. Then <think>x</think>")   # mid-answer: text
     assert split(["cut off mid-<th"], inside=True)[1:] == ("cut off mid-<th", "")             # flushed at the end
     assert open_at_end("…<|im_start|>assistant\n<think>\n") and not open_at_end("<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("name,opened", [("qwen3", False), ("qwen3_5", True)])
+def test_the_published_templates_open_the_block_where_their_models_expect_it(tokenizer, name, opened):
+    import copy
+    from engine.session import render_text
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+    assert thinks(tok)
+    msgs = [{"role": "user", "content": "2 + 2?"}]
+    default, _ = render_text(tok, msgs)
+    off, _ = render_text(tok, msgs, thinking=False)
+    assert open_at_end(default) == opened and not open_at_end(off) and off.endswith("<think>\n\n</think>\n\n")
+    # what each model writes after its prompt, split as the template means it
+    written = ("" if opened else "<think>\n") + "Two and two.\n</think>\n\nFour."
+    _, thought, answer = split([written[:9], written[9:]], inside=open_at_end(default))
+    assert (thought.strip(), answer) == ("Two and two.", "Four.")
+    # an earlier turn as the engine keeps it (the model's text whole): the template decides
+    # how its reasoning goes back; both render it in its block again, the answer after it
+    turns = msgs + [{"role": "assistant", "content": written.removeprefix("<think>\n")},
+                    {"role": "user", "content": "and 3 + 3?"}]
+    again = render_text(tok, turns)[0]
+    assert "<think>\nTwo and two.\n</think>\n\nFour.<|im_end|>" in again
 
 
 @pytest.fixture(scope="module")

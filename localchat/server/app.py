@@ -1,5 +1,7 @@
 """The HTTP API, in OpenAI's shapes: POST /v1/chat/completions (streamed as server-sent
-events ending in `data: [DONE]`, or whole), GET /v1/models, GET /health.
+events ending in `data: [DONE]`, or whole), /v1/completions, GET /v1/models, GET /health;
+and as translations onto the same path, the Responses API (responses.py) and Ollama's
+(ollama.py).
 
 FastAPI on uvicorn, as vLLM and SGLang serve: async request handling (a client waiting in
 the queue or reading a stream costs no thread), the event loop apart from the engine's
@@ -10,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import sys
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from . import responses
+from . import ollama, responses
+from .jobs import error_response as _error, first_event as _first, log as _log, next_event as _next, openai_calls
 from .requests import ApiError, parse_chat, parse_completion
 from .runner import Job, Runner
 
@@ -38,18 +40,6 @@ def usage(stats) -> dict:
     p, c = (stats.prompt_tokens, stats.generated_tokens) if stats is not None else (0, 0)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": (stats.prompt_tokens - stats.prefill_tokens) if stats else 0}}
-
-
-def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-def _log(status: int, path: str, t0: float, stats=None, note: str = "") -> None:
-    line = f"localchat serve: {status} {path} {time.monotonic() - t0:.2f}s"
-    if stats is not None:
-        line += (f" · {stats.prompt_tokens} prompt ({stats.prefill_tokens} prefilled) + {stats.generated_tokens} tokens"
-                 f" · prefill {stats.prefill_tps:.0f} tok/s · decode {stats.decode_tps:.1f} tok/s")
-    print(line + (f" · {note}" if note else ""), file=sys.stderr, flush=True)
 
 
 def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_key: str | None = None) -> FastAPI:
@@ -99,9 +89,56 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
     async def responses_api(request: Request):
         return await answer(request, lambda body: parse_chat(responses.chat_body(body)), "responses")
 
-    async def answer(request: Request, parse, text):
-        """A chat completion, (`text` True) a plain-text completion of a prompt, or (`text`
-        "responses") a Responses API answer."""
+    # Ollama's API, for the tools that speak only it (server/ollama.py)
+    @app.post("/api/chat")
+    async def ollama_chat(request: Request):
+        return await answer(request, lambda body: parse_chat(ollama.chat_body(body)), "ollama-chat",
+                            ollama.error_response)
+
+    @app.post("/api/generate")
+    async def ollama_generate(request: Request):
+        def parse(body):
+            chat, raw = ollama.generate_body(body)
+            if not raw:
+                return parse_chat(chat)
+            req = parse_completion(chat)
+            req.max_tokens = chat.get("max_tokens")        # Ollama's default: the server's, not 16
+            return req
+        return await answer(request, parse, "ollama-generate", ollama.error_response)
+
+    @app.get("/api/version")
+    async def ollama_version():
+        return {"version": ollama.API_VERSION}
+
+    @app.get("/api/tags")
+    async def ollama_tags():
+        return {"models": [ollama.model_entry(runner.engine, model_id)] if runner.state == "ready" else []}
+
+    @app.get("/api/ps")
+    async def ollama_ps():
+        if runner.state != "ready":
+            return {"models": []}
+        entry = ollama.model_entry(runner.engine, model_id)
+        return {"models": [{**entry, "size_vram": entry["size"] if runner.engine.device.type != "cpu" else 0,
+                            "expires_at": "2999-01-01T00:00:00Z", "context_length": runner.engine.target.max_positions}]}
+
+    @app.post("/api/show")
+    async def ollama_show(request: Request):
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            body = {}
+        name = body.get("model") or body.get("name") if isinstance(body, dict) else None
+        if name not in names:
+            return ollama.error_response(ApiError(404, f"model {name!r} not found; /api/tags lists {model_id!r}"))
+        if runner.state != "ready":
+            return ollama.error_response(ApiError(503, f"the model is {runner.state}"))
+        return ollama.show(runner.engine, model_id)
+
+    async def answer(request: Request, parse, text, error=_error):
+        """A chat completion, (`text` True) a plain-text completion of a prompt, (`text`
+        "responses") a Responses API answer, or Ollama's chat or generate; `error` shapes a
+        refusal."""
         t0 = time.monotonic()
         try:
             raw = await request.body()
@@ -122,11 +159,13 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
             runner.submit(job)
         except ApiError as exc:
             _log(exc.status, request.url.path, t0, note=exc.message)
-            return _error(exc)
+            return error(exc)
         cid, created = f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         profile = runner.engine.plan.chosen if runner.engine is not None and runner.engine.plan else None
         if text == "responses":
-            return await _responses(job, body, request, t0)
+            return await responses.answer(job, body, request, t0)
+        if text in ("ollama-chat", "ollama-generate"):
+            return await ollama.answer(job, request, t0, text == "ollama-generate")
         if req.stream:
             first, refused = await _first(job, request, t0)
             if refused is not None:
@@ -136,38 +175,6 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
         return await _whole(job, cid, created, model_id, profile, request, t0, text)
 
     return app
-
-
-async def _next(job: Job, request: Request):
-    """The job's next event; cancels the job when the client has gone."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), 0.25)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancelled.set()
-
-
-def openai_calls(calls) -> list[dict]:
-    """The engine's calls in OpenAI's shape: an id each, the arguments as a JSON string."""
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-            for c in calls]
-
-
-async def _first(job, request, t0):
-    """The job's first event, and the response refusing the request if that is an error.
-    Headers wait for it: a request refused in the queue (or a conversation the context
-    cannot hold) still gets its status, not a 200 stream."""
-    try:
-        first = await _next(job, request)
-    except asyncio.CancelledError:
-        job.cancelled.set()
-        raise
-    if first[0] == "error":
-        _log(first[1].status, request.url.path, t0, note=first[1].message)
-        return first, _error(first[1])
-    return first, None
 
 
 async def _whole(job, cid, created, model, profile, request, t0, text: bool = False):
@@ -209,66 +216,6 @@ async def _whole(job, cid, created, model, profile, request, t0, text: bool = Fa
             "model": model, "choices": [{"index": 0, **choice, "finish_reason": value["finish_reason"],
                                          "logprobs": None}],
             "usage": usage(stats), "timings": timings(stats, profile)}
-
-
-async def _responses(job, body: dict, request, t0):
-    """A Responses API answer, whole or as its semantic events."""
-    rid, created = responses.new_id()
-    build = responses.Builder(rid, model_of(job), created, body)
-    first, refused = await _first(job, request, t0)
-    if refused is not None:
-        return refused
-
-    async def events():
-        nonlocal first
-        yield build.start()
-        while True:
-            kind, value = first if first is not None else await _next(job, request)
-            first = None
-            if kind in ("text", "reasoning"):
-                yield build.text(kind, value)
-            elif kind == "tool_calls":
-                yield build.calls(openai_calls(value))
-            elif kind == "error":
-                yield [build._event("error", code=value.code, message=value.message, param=value.param)]
-                return
-            elif kind == "done":
-                if value is None or value.get("cancelled"):
-                    return
-                stats = value["stats"]
-                yield build.finish(value["finish_reason"], responses.usage(stats, value.get("reasoning_tokens", 0)))
-                _log(200, request.url.path, t0, stats, "responses")
-                return
-
-    if not job.request.stream:
-        last = None
-        try:
-            async for evs in events():
-                last = evs[-1] if evs else last
-        except asyncio.CancelledError:
-            job.cancelled.set()
-            raise
-        if last is None or last[0] not in ("response.completed", "response.incomplete"):
-            err = last[1] if last is not None and last[0] == "error" else {"message": "the client left", "code": None}
-            return JSONResponse({"error": {"message": err["message"], "type": "server_error", "param": None,
-                                           "code": err.get("code")}}, status_code=500 if last else 499)
-        return last[1]["response"]
-
-    async def stream():
-        done = False
-        try:
-            async for evs in events():
-                for kind, data in evs:
-                    yield f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
-            done = True
-        finally:
-            if not done:
-                job.cancelled.set()
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def model_of(job) -> str:
-    return job.request.model
 
 
 def _sse(obj) -> bytes:

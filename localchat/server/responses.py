@@ -7,10 +7,14 @@ Agents SDK speak only this API. `previous_response_id` needs state a stateless s
 does not keep: refused, naming it."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .jobs import first_event, log, next_event, openai_calls
 from .requests import ApiError
 
 
@@ -224,3 +228,59 @@ def usage(stats, reasoning_tokens: int = 0) -> dict:
 
 def new_id() -> tuple[str, int]:
     return f"resp_{uuid.uuid4().hex[:24]}", int(time.time())
+
+
+async def answer(job, body: dict, request, t0):
+    """A Responses API answer, whole or as its semantic events."""
+    rid, created = new_id()
+    build = Builder(rid, job.request.model, created, body)
+    first, refused = await first_event(job, request, t0)
+    if refused is not None:
+        return refused
+
+    async def events():
+        nonlocal first
+        yield build.start()
+        while True:
+            kind, value = first if first is not None else await next_event(job, request)
+            first = None
+            if kind in ("text", "reasoning"):
+                yield build.text(kind, value)
+            elif kind == "tool_calls":
+                yield build.calls(openai_calls(value))
+            elif kind == "error":
+                yield [build._event("error", code=value.code, message=value.message, param=value.param)]
+                return
+            elif kind == "done":
+                if value is None or value.get("cancelled"):
+                    return
+                stats = value["stats"]
+                yield build.finish(value["finish_reason"], usage(stats, value.get("reasoning_tokens", 0)))
+                log(200, request.url.path, t0, stats, "responses")
+                return
+
+    if not job.request.stream:
+        last = None
+        try:
+            async for evs in events():
+                last = evs[-1] if evs else last
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        if last is None or last[0] not in ("response.completed", "response.incomplete"):
+            err = last[1] if last is not None and last[0] == "error" else {"message": "the client left", "code": None}
+            return JSONResponse({"error": {"message": err["message"], "type": "server_error", "param": None,
+                                           "code": err.get("code")}}, status_code=500 if last else 499)
+        return last[1]["response"]
+
+    async def stream():
+        done = False
+        try:
+            async for evs in events():
+                for kind, data in evs:
+                    yield f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+            done = True
+        finally:
+            if not done:
+                job.cancelled.set()
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -124,9 +124,9 @@ class Runner:
         except engine.BadRequest as exc:
             code = "context_length_exceeded" if "context" in str(exc) else None
             param = "messages" if r.prompt is None else "prompt"
-            for field in ("response_format", "tools", "tool_choice"):
-                if str(exc).startswith(field):
-                    param = field
+            for name in ("response_format", "tools", "tool_choice"):
+                if str(exc).startswith(name):
+                    param = name
             job.push(("error", ApiError(400, str(exc), param=param, code=code)))
             return
         watch = StopWatch(r.stop)
