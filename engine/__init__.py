@@ -23,13 +23,13 @@ _WHERE = {"ModelDrafter": "drafters", "NgramDrafter": "drafters", "NoDrafter": "
           "BadRequest": "errors", "BadWeights": "errors", "CheckpointError": "errors", "ContextFull": "errors",
           "EngineError": "errors", "ModelNotFound": "errors", "UnsupportedModel": "errors",
           "Done": "events", "Stats": "events", "TextDelta": "events",
-          "RUNNABLE": "loading", "measured_routing": "loading", "open": "loading",
+          "RUNNABLE": "loading", "measured_routing": "loading", "open": "loading", "plan_model": "loading",
           "quant_act_dtype": "loading", "runnable": "loading",
           "SamplingParams": "sampling", "Chat": "session", "Grammar": "constrain"}
 
 __all__ = ["open", "Engine", "Chat", "TextDelta", "Stats", "Done", "SamplingParams", "EngineError",
            "BadRequest", "BadWeights", "CheckpointError", "ContextFull", "ModelNotFound", "UnsupportedModel",
-           "NoDrafter", "NgramDrafter", "ModelDrafter", "Grammar", "RUNNABLE", "runnable", "quant_act_dtype", "measured_routing"]
+           "NoDrafter", "NgramDrafter", "ModelDrafter", "Grammar", "RUNNABLE", "runnable", "plan_model", "quant_act_dtype", "measured_routing"]
 
 
 def __getattr__(name: str):

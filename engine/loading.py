@@ -100,6 +100,21 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
     return eng
 
 
+def plan_model(model: str | None = None, *, device: str = "auto", dtype: str | None = None,
+               memory_budget: str | int | None = None, host_memory: str | int | None = None,
+               profile: str | None = None, context: int | None = None, cache_dir: str | Path | None = None,
+               profile_dir: str | Path | None = None) -> "planner.Plan":
+    """The memory plan open() would make for `model` with these figures, without loading
+    it (a model a server is about to load: what it needs alone on the machine)."""
+    cache_dir = Path(cache_dir) if cache_dir else None
+    ckpt = _checkpoint.resolve(model, cache_dir)
+    dev = hardware.pick_device(device)
+    dt = _pick_dtype(dtype, dev, ckpt.path)
+    every = profiles.load_all(Path(profile_dir) if profile_dir else None)
+    return _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context, None, every,
+                 dtype_given=dtype not in (None, "auto"))[0]
+
+
 def measured_routing(path: Path, shape: planner.ModelShape, cache_dir: Path | None = None):
     """A mixture's measured expert use (targets/routing.py), as make_plan takes it; None for
     a dense model, or one not measured yet (uniform routing is planned)."""

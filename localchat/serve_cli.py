@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout", type=float, default=120.0, metavar="S",
                    help="seconds a request may wait in the queue (default 120)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model id clients ask for (default: the model's name)")
+    p.add_argument("--keep-alive", type=float, metavar="S",
+                   help="unload a model idle this many seconds (default: keep it until its memory is needed)")
+    p.add_argument("--only", action="store_true",
+                   help="serve the --model alone, not every model `localchat models` lists")
     p.add_argument("--max-tokens", "-n", type=int, metavar="N",
                    help="tokens an answer may have when a request does not say (default: the config's, 1024)")
     add_model_flags(p)
@@ -43,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 def serve_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     for flag, value, ok in (("--port", args.port, 0 <= args.port <= 65535), ("--max-queue", args.max_queue,
-                            args.max_queue >= 0), ("--queue-timeout", args.queue_timeout, args.queue_timeout > 0)):
+                            args.max_queue >= 0), ("--queue-timeout", args.queue_timeout, args.queue_timeout > 0),
+                            ("--keep-alive", args.keep_alive, args.keep_alive is None or args.keep_alive > 0)):
         if not ok:
             error(f"{flag} {value}: out of range")
             return EXIT_USAGE
@@ -55,6 +60,7 @@ def serve_main(argv: list[str]) -> int:
     try:
         import uvicorn
         from .server.app import make_app
+        from .server.models import Models
         from .server.runner import Runner
     except ImportError as exc:
         error(f"localchat serve needs fastapi and uvicorn ({exc.name} is missing): pip install fastapi uvicorn")
@@ -66,12 +72,15 @@ def serve_main(argv: list[str]) -> int:
         error(f"--host {args.host} --port {args.port}: cannot listen there ({exc.strerror or exc})")
         return EXIT_USAGE
     name = args.served_model_name or _model_id(settings.model)
-    runner = Runner(lambda: open_engine(settings),
-                    max_queue=args.max_queue, queue_timeout_s=args.queue_timeout, max_tokens=settings.max_tokens)
+    models = Models(name, settings, aliases=tuple(filter(None, [settings.model])), keep_alive=args.keep_alive,
+                    discover=not args.only and not settings.backend)
+    runner = Runner(open_engine, models, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
+                    max_tokens=settings.max_tokens)
     runner.start()
-    app = make_app(runner, name, aliases=tuple(filter(None, [settings.model])), api_key=args.api_key)
+    app = make_app(runner, api_key=args.api_key)
     host, port = sock.getsockname()[:2]
-    print(f"localchat serve: http://{host if ':' not in host else f'[{host}]'}:{port}/v1 · model {name!r} · "
+    more = f" (and {len(models.slots) - 1} more on demand)" if len(models.slots) > 1 else ""
+    print(f"localchat serve: http://{host if ':' not in host else f'[{host}]'}:{port}/v1 · model {name!r}{more} · "
           f"loading (GET /health)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)

@@ -14,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Server:
-    def __init__(self, model, *flags):
-        env = dict(os.environ, PYTHONPATH=ROOT, LOCALCHAT_API_KEY="")
+    def __init__(self, model, *flags, env: dict | None = None):
+        env = dict(os.environ, PYTHONPATH=ROOT, LOCALCHAT_API_KEY="", **(env or {}))
         env.pop("LOCALCHAT_API_KEY")
         self.proc = subprocess.Popen([sys.executable, "-m", "localchat", "serve", "--model", str(model), "--port", "0",
                                       "--drafter", "none", *flags],

@@ -298,7 +298,9 @@ def test_a_new_chat_knows_the_drafters_cost_and_does_not_probe_again(tiny_llama)
     list(first.send("the cat sat on the mat", max_new_tokens=40))
     assert first.last_stats.drafted_tokens > 0                     # the first chat probes to measure
     assert eng.costs.t_draft is not None
-    eng.costs.t_draft = 10 * eng.costs.t_pass[1]            # as if drafting were plainly too slow
+    # as if drafting were plainly too slow: far past any pass time a busy machine can measure
+    # (at 10x a pass, a step slowed 20x by another process made the periodic probe look worth it)
+    eng.costs.t_draft = 1e6 * eng.costs.t_pass[1]
     second = eng.chat()
     list(second.send("the cat sat on the mat", max_new_tokens=40))
     assert second.last_stats.drafted_tokens == 0

@@ -42,9 +42,10 @@ def usage(stats) -> dict:
             "prompt_tokens_details": {"cached_tokens": (stats.prompt_tokens - stats.prefill_tokens) if stats else 0}}
 
 
-def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_key: str | None = None) -> FastAPI:
+def make_app(runner: Runner, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="localchat", docs_url=None, redoc_url=None, openapi_url=None)
-    names = {model_id, *aliases}
+    models = runner.models
+    model_id = models.default.name
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -67,15 +68,16 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
 
     @app.get("/health")
     async def health():
-        body = {"status": runner.state, "model": model_id, "queued": runner.queued()}
+        body = {"status": runner.state, "model": model_id, "queued": runner.queued(),
+                "loaded": [s.name for s in models.slots.values() if s.state == "ready"],
+                "loading": [s.name for s in models.slots.values() if s.state == "loading"]}
         if runner.error:
             body["error"] = runner.error
         return JSONResponse(body, status_code=200 if runner.state == "ready" else 503)
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
-                                            "owned_by": "localchat"}]}
+    async def list_models():
+        return {"object": "list", "data": models.listing()}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -112,15 +114,18 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
 
     @app.get("/api/tags")
     async def ollama_tags():
-        return {"models": [ollama.model_entry(runner.engine, model_id)] if runner.state == "ready" else []}
+        return {"models": [ollama.model_entry(s.engine, s.name) if s.engine is not None else ollama.listed(s)
+                           for s in models.slots.values()]}
 
     @app.get("/api/ps")
     async def ollama_ps():
-        if runner.state != "ready":
-            return {"models": []}
-        entry = ollama.model_entry(runner.engine, model_id)
-        return {"models": [{**entry, "size_vram": entry["size"] if runner.engine.device.type != "cpu" else 0,
-                            "expires_at": "2999-01-01T00:00:00Z", "context_length": runner.engine.target.max_positions}]}
+        out = []
+        for s in models.slots.values():
+            if s.engine is not None:
+                entry = ollama.model_entry(s.engine, s.name)
+                out.append({**entry, "size_vram": entry["size"] if s.engine.device.type != "cpu" else 0,
+                            "expires_at": "2999-01-01T00:00:00Z", "context_length": s.engine.target.max_positions})
+        return {"models": out}
 
     @app.post("/api/show")
     async def ollama_show(request: Request):
@@ -128,12 +133,13 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
             body = json.loads(await request.body() or b"{}")
         except ValueError:
             body = {}
-        name = body.get("model") or body.get("name") if isinstance(body, dict) else None
-        if name not in names:
-            return ollama.error_response(ApiError(404, f"model {name!r} not found; /api/tags lists {model_id!r}"))
-        if runner.state != "ready":
-            return ollama.error_response(ApiError(503, f"the model is {runner.state}"))
-        return ollama.show(runner.engine, model_id)
+        slot = models.resolve(body.get("model") or body.get("name") if isinstance(body, dict) else None)
+        if slot is None:
+            return ollama.error_response(ApiError(404, "model not found; /api/tags lists them"))
+        if slot.engine is None:
+            return ollama.error_response(ApiError(503, f"the model {slot.name!r} is {slot.state}; a request "
+                                                  "for it loads it"))
+        return ollama.show(slot.engine, slot.name)
 
     async def answer(request: Request, parse, text, error=_error):
         """A chat completion, (`text` True) a plain-text completion of a prompt, (`text`
@@ -151,17 +157,20 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
             req = parse(body)
             if text == "responses" and req.model is None:
                 raise ApiError(400, "model: required: one of GET /v1/models", param="model")
-            if req.model not in names:
-                raise ApiError(404, f"model {req.model!r} is not served here; GET /v1/models lists {model_id!r}",
+            slot = models.resolve(req.model)
+            if slot is None:
+                listed = ", ".join(repr(n) for n in list(models.slots)[:5]) + (", ..." if len(models.slots) > 5 else "")
+                raise ApiError(404, f"model {req.model!r} is not served here; GET /v1/models lists {listed}",
                                param="model", code="model_not_found")
             loop = asyncio.get_running_loop()
-            job = Job(req, loop, asyncio.Queue())
+            job = Job(req, loop, asyncio.Queue(), slot=slot)
             runner.submit(job)
         except ApiError as exc:
             _log(exc.status, request.url.path, t0, note=exc.message)
             return error(exc)
         cid, created = f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
-        profile = runner.engine.plan.chosen if runner.engine is not None and runner.engine.plan else None
+        eng = slot.engine or runner.engine
+        profile = eng.plan.chosen if eng is not None and eng.plan else None
         if text == "responses":
             return await responses.answer(job, body, request, t0)
         if text in ("ollama-chat", "ollama-generate"):
@@ -170,9 +179,9 @@ def make_app(runner: Runner, model_id: str, aliases: tuple[str, ...] = (), api_k
             first, refused = await _first(job, request, t0)
             if refused is not None:
                 return refused
-            return StreamingResponse(_stream(job, first, cid, created, model_id, profile, request, t0, text),
+            return StreamingResponse(_stream(job, first, cid, created, slot.name, profile, request, t0, text),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(job, cid, created, model_id, profile, request, t0, text)
+        return await _whole(job, cid, created, slot.name, profile, request, t0, text)
 
     return app
 

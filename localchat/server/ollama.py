@@ -129,6 +129,19 @@ def model_entry(eng, name: str) -> dict:
     return {"name": name, "model": name, "modified_at": now(), "size": size, "digest": "", "details": details}
 
 
+def listed(slot) -> dict:
+    """/api/tags's entry for a model not loaded: what its files say."""
+    from engine import caches
+    size = caches.disk_bytes(slot.checkpoint) if slot.checkpoint is not None else 0
+    try:
+        arch = json.loads((slot.checkpoint / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError, TypeError, AttributeError):
+        arch = ""
+    return {"name": slot.name, "model": slot.name, "modified_at": now(), "size": size, "digest": "",
+            "details": {"parent_model": "", "format": "safetensors", "family": arch,
+                        "families": [arch] if arch else None, "parameter_size": "", "quantization_level": ""}}
+
+
 def _params(eng) -> str:
     try:
         n = sum(t.numel() for t in eng.target.impl.weight_tensors())

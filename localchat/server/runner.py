@@ -1,7 +1,8 @@
-"""One engine, one answer at a time, for many HTTP clients.
+"""The engines, one answer at a time, for many HTTP clients.
 
-The engine loads on a thread of its own when the server starts (GET /health says loading,
-then ready). Answers run one after another on a single engine thread: one KV cache, one
+The server's model loads on a thread of its own when the server starts (GET /health says
+loading, then ready); any other model a request names loads there on its first request,
+the request waiting in the queue meanwhile (server/models.py decides what stays loaded). Answers run one after another on a single engine thread: one KV cache, one
 OpenMP team. Requests wait in a bounded queue (count and time); one that finds
 it full is refused at once (503 with Retry-After), one that waits too long is refused
 then. A job cancelled by its client (a closed connection) stops at the engine's next step.
@@ -27,6 +28,7 @@ class Job:
     request: ChatRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    slot: object = None                  # models.Slot: the model it asked for
     queued_at: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: bool = False
@@ -40,12 +42,12 @@ class Job:
 
 
 class Runner:
-    def __init__(self, open_engine, max_queue: int = 4, queue_timeout_s: float = 120.0, max_tokens: int = 1024):
+    def __init__(self, open_engine, models, max_queue: int = 4, queue_timeout_s: float = 120.0,
+                 max_tokens: int = 1024):
+        """open_engine(settings) -> an engine; models: server/models.Models."""
         self._open = open_engine
+        self.models = models
         self.max_queue, self.queue_timeout_s, self.default_max_tokens = max_queue, queue_timeout_s, max_tokens
-        self.state, self.error = "loading", ""
-        self.engine = None
-        self._chat = None
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
@@ -59,11 +61,27 @@ class Runner:
     def stop(self) -> None:
         self._jobs.put(None)
 
+    # the server's own model (the one it was started with)
+    @property
+    def state(self) -> str:
+        return self.models.default.state if self.models.default.state != "unloaded" else "ready"
+
+    @property
+    def error(self) -> str:
+        return self.models.default.error
+
+    @property
+    def engine(self):
+        return self.models.default.engine
+
     # -- admission (the event loop's thread)
     def submit(self, job: Job) -> None:
-        if self.state != "ready":
-            raise ApiError(503, f"the model is {self.state}" + (f": {self.error}" if self.error else ""),
-                           kind="server_error", code="model_" + self.state, headers={"Retry-After": "5"})
+        slot = job.slot or self.models.default
+        job.slot = slot
+        if slot is self.models.default and slot.state in ("loading", "failed"):
+            # (another model loads while its request waits; one that failed is tried again)
+            raise ApiError(503, f"the model {slot.name!r} is {slot.state}" + (f": {slot.error}" if slot.error else ""),
+                           kind="server_error", code="model_" + slot.state, headers={"Retry-After": "5"})
         with self._lock:
             if self._waiting >= self.max_queue:
                 wait = int(self.answer_seconds * (self._waiting + self._busy)) + 1
@@ -79,14 +97,16 @@ class Runner:
     # -- the engine thread
     def _main(self) -> None:
         try:
-            self.engine = self._open()
-            self._chat = self.engine.chat()
-            self.state = "ready"
-        except Exception as exc:            # told to every request and to /health
-            self.state, self.error = "failed", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            return
+            self.models.load(self.models.default, self._open)
+        except Exception:                   # told to every request for it and to /health (Slot.error)
+            pass
+        tick = min(self.models.keep_alive, 5.0) if self.models.keep_alive else None
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=tick)
+            except queue.Empty:
+                self.models.expire()
+                continue
             if job is None:
                 return
             with self._lock:
@@ -109,7 +129,16 @@ class Runner:
             return
         job.started = True
         import engine
-        r, chat = job.request, self._chat
+        slot = job.slot
+        if slot.engine is None:
+            try:
+                self.models.load(slot, self._open)
+            except Exception as exc:
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                job.push(("error", ApiError(503, f"the model {slot.name!r} could not be loaded: {why}",
+                                            kind="server_error", code="model_failed")))
+                return
+        r, chat = job.request, slot.chat
         t0 = time.monotonic()
         sampling = dict(max_new_tokens=r.max_tokens or self.default_max_tokens, temperature=r.temperature,
                         top_p=r.top_p, top_k=r.top_k, seed=None if r.seed is None else r.seed % (1 << 63))
@@ -160,6 +189,7 @@ class Runner:
                         reason = {"stop": "stop", "length": "length"}.get(ev.reason, "stop")
         finally:
             self.answer_seconds = 0.7 * self.answer_seconds + 0.3 * (time.monotonic() - t0)
+            slot.last_used = time.monotonic()
         done = chat.last_done
         job.push(("done", {"finish_reason": reason or "stop", "stats": chat.last_stats,
                            "cancelled": job.cancelled.is_set(),
