@@ -20,9 +20,11 @@ from .common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_model_flags, error, load
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="localchat serve",
-               description="Serve the model over an OpenAI-compatible API: POST /v1/chat/completions (streamed "
-                           "or not), GET /v1/models, GET /health. One answer at a time; requests wait in a "
-                           "bounded queue.",
+               description="Serve models over an OpenAI-compatible API: POST /v1/chat/completions (streamed "
+                           "or not; tools, response_format), /v1/completions, /v1/responses, GET /v1/models, "
+                           "GET /health, and Ollama's /api/chat and /api/generate. The --model loads at start; any "
+                           "model `localchat models` lists loads on its first request. One answer at a time; "
+                           "requests wait in a bounded queue.",
                epilog="example:  localchat serve --port 8000   then   "
                       "OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none <any OpenAI client>")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
