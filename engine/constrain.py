@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,7 +102,8 @@ def _llguidance():
     return llguidance
 
 
-_tokenizers: dict[int, object] = {}
+# Per tokenizer, weakly: an engine unloaded (a server's model) takes its entry with it.
+_tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.Lock()
 
 
@@ -111,13 +113,11 @@ def grammar_tokenizer(tokenizer, vocab: int):
     own are never allowed."""
     _llguidance()
     from llguidance import hf
-    key = id(tokenizer)
     with _tokenizers_lock:
-        entry = _tokenizers.get(key)
-        if entry is None or entry[0] is not tokenizer or entry[2] != vocab:
-            entry = (tokenizer, hf.from_tokenizer(tokenizer, n_vocab=vocab), vocab)
-            _tokenizers[key] = entry
-    return entry[1]
+        entry = _tokenizers.get(tokenizer)
+        if entry is None or entry[1] != vocab:
+            entry = _tokenizers[tokenizer] = (hf.from_tokenizer(tokenizer, n_vocab=vocab), vocab)
+    return entry[0]
 
 
 # The phases of an answer under a constraint.

@@ -28,15 +28,18 @@ class Slot:
     last_used: float = 0.0
     footprint: int = 0               # bytes its plan counted (weights, caches), less the device's margin
 
+    def config(self) -> dict:
+        """Its config.json (a multimodal one's text part), or {} where it cannot be read."""
+        try:
+            cfg = json.loads((self.checkpoint / "config.json").read_text())
+        except (OSError, ValueError, TypeError):
+            return {}
+        return cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+
     def context_length(self) -> int | None:
         if self.engine is not None:
             return self.engine.target.max_positions
-        try:
-            cfg = json.loads((self.checkpoint / "config.json").read_text())
-            cfg = cfg.get("text_config", cfg)
-            return int(cfg.get("max_position_embeddings") or 0) or None
-        except (OSError, ValueError, TypeError, AttributeError):
-            return None
+        return int(self.config().get("max_position_embeddings") or 0) or None
 
 
 class Models:

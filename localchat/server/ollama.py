@@ -117,29 +117,25 @@ def calls(tool_calls: list[dict]) -> list[dict]:
     return [{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in tool_calls]
 
 
-def model_entry(eng, name: str) -> dict:
-    """/api/tags's and /api/show's description of the served model."""
-    d = eng.describe() if eng is not None else {}
-    cfg = getattr(getattr(eng, "target", None), "config", None)
-    arch = getattr(cfg, "model_type", "") or ""
-    size = int(d.get("weights_bytes") or 0)
-    details = {"parent_model": "", "format": "gguf" if str(d.get("path", "")).endswith(".gguf") else "safetensors",
-               "family": arch, "families": [arch] if arch else None,
-               "parameter_size": _params(eng) or "", "quantization_level": d.get("weights", "")}
+def entry(name: str, size: int, arch: str, params: str = "", quantization: str = "") -> dict:
+    """A model as /api/tags and /api/show describe it."""
+    details = {"parent_model": "", "format": "safetensors", "family": arch, "families": [arch] if arch else None,
+               "parameter_size": params, "quantization_level": quantization}
     return {"name": name, "model": name, "modified_at": now(), "size": size, "digest": "", "details": details}
 
 
+def model_entry(eng, name: str) -> dict:
+    """A loaded model: its weights as the engine holds them."""
+    d = eng.describe()
+    return entry(name, int(d.get("weights_bytes") or 0), getattr(eng.target.config, "model_type", "") or "",
+                 _params(eng), d.get("weights", ""))
+
+
 def listed(slot) -> dict:
-    """/api/tags's entry for a model not loaded: what its files say."""
+    """A model not loaded: what its files say."""
     from engine import caches
     size = caches.disk_bytes(slot.checkpoint) if slot.checkpoint is not None else 0
-    try:
-        arch = json.loads((slot.checkpoint / "config.json").read_text()).get("model_type", "")
-    except (OSError, ValueError, TypeError, AttributeError):
-        arch = ""
-    return {"name": slot.name, "model": slot.name, "modified_at": now(), "size": size, "digest": "",
-            "details": {"parent_model": "", "format": "safetensors", "family": arch,
-                        "families": [arch] if arch else None, "parameter_size": "", "quantization_level": ""}}
+    return entry(slot.name, size, slot.config().get("model_type", ""))
 
 
 def _params(eng) -> str:
