@@ -212,7 +212,9 @@ def test_load_failure_is_shown_and_the_app_stays_open():
         notes = record_notifications(app)
         async with app.run_test(size=SIZE) as pilot:
             await pilot.pause()
-            assert "Loading model…" in app.status_bar.text
+            # "Loading model…" at once, then the timer's "Loading the demo model… N s …"
+            # every half second: which one shows depends on how busy the machine is
+            assert "Loading" in app.status_bar.text
             await type_and_send(pilot, "hi")
             assert not app.query(UserMessage)
             assert any("still loading" in n for n in notes), notes
