@@ -8,6 +8,8 @@ yields events. This module is the public API; each part lives in a file named fo
     for event in chat.send("Why is the sky blue?", max_new_tokens=256):
         ...                                   # TextDelta | Stats | Done
     chat.cancel()                             # from another thread
+    eng.resume = engine.ResumeStore(folder, budget_bytes)   # conversations resume warm
+    chat.keep()                               # this chat's cache kept there now
 
 The names below are imported when first used, so that `import engine.openmp` (which must
 run before torch is imported) does not import torch.
@@ -25,11 +27,11 @@ _WHERE = {"ModelDrafter": "drafters", "NgramDrafter": "drafters", "NoDrafter": "
           "Done": "events", "Stats": "events", "TextDelta": "events",
           "RUNNABLE": "loading", "measured_routing": "loading", "open": "loading", "plan_model": "loading",
           "quant_act_dtype": "loading", "runnable": "loading",
-          "SamplingParams": "sampling", "Chat": "session", "Grammar": "constrain"}
+          "SamplingParams": "sampling", "Chat": "session", "Grammar": "constrain", "ResumeStore": "resume"}
 
 __all__ = ["open", "Engine", "Chat", "TextDelta", "Stats", "Done", "SamplingParams", "EngineError",
            "BadRequest", "BadWeights", "CheckpointError", "ContextFull", "ModelNotFound", "UnsupportedModel",
-           "NoDrafter", "NgramDrafter", "ModelDrafter", "Grammar", "RUNNABLE", "runnable", "plan_model", "quant_act_dtype", "measured_routing"]
+           "NoDrafter", "NgramDrafter", "ModelDrafter", "Grammar", "ResumeStore", "RUNNABLE", "runnable", "plan_model", "quant_act_dtype", "measured_routing"]
 
 
 def __getattr__(name: str):

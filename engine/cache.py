@@ -80,6 +80,36 @@ class KVCache:
         length."""
         return contextlib.nullcontext()
 
+    def export(self) -> dict[str, torch.Tensor]:
+        """What the cache holds, as host tensors a resume store can write: the keys and
+        values of the committed positions."""
+        self.settle()
+        n = self.length
+        out = {}
+        for i, (k, v) in enumerate(zip(self.k, self.v)):
+            out[f"k.{i}"] = k.narrow(2, 0, n).contiguous().cpu()
+            out[f"v.{i}"] = v.narrow(2, 0, n).contiguous().cpu()
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        """Hold what `export()` gave (`length` positions) in place of the cache's contents.
+        ValueError where it does not fit this cache's layout; the cache is then empty."""
+        self.rollback(0)
+        want = (1, self.kv_heads, length, self.head_dim)
+        for i in range(self.layers):
+            for name in (f"k.{i}", f"v.{i}"):
+                t = tensors.get(name)
+                if t is None or tuple(t.shape) != want or t.dtype != self.dtype:
+                    raise ValueError(f"{name}: {None if t is None else (tuple(t.shape), t.dtype)}, the cache "
+                                     f"holds {want} in {self.dtype}")
+        if f"k.{self.layers}" in tensors:
+            raise ValueError(f"more than the cache's {self.layers} layers")
+        self.reserve(length)
+        for i in range(self.layers):
+            self.k[i].narrow(2, 0, length).copy_(tensors[f"k.{i}"])
+            self.v[i].narrow(2, 0, length).copy_(tensors[f"v.{i}"])
+        self.length = length
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
@@ -177,6 +207,37 @@ class RecurrentCache(KVCache):
         self.settle()
         self._checkpoint = (self.length, [state.snapshot() for state in self.states])
 
+    def export(self) -> dict[str, torch.Tensor]:
+        """The keys and values, plus each recurrent layer's state now and at the turn
+        checkpoint (so a restored cache rolls back as this one would)."""
+        out = super().export()          # settles first: the live states are the committed ones
+        _put_states(out, "state", [state.snapshot() for state in self.states])
+        if self._checkpoint is not None:
+            out["checkpoint"] = torch.tensor([self._checkpoint[0]], dtype=torch.int64)
+            _put_states(out, "checkpoint", self._checkpoint[1])
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        self._pending = None
+        self._checkpoint = None
+        super().load(tensors, length)
+        try:
+            live = _get_states(tensors, "state", len(self.states), self.device)
+            mark = tensors.get("checkpoint")
+            if mark is not None:
+                at = int(mark[0])
+                if not 0 <= at <= length:
+                    raise ValueError(f"a checkpoint at {at} outside [0, {length}]")
+                self._checkpoint = (at, _get_states(tensors, "checkpoint", len(self.states), self.device))
+            for state, snap in zip(self.states, live):
+                state.restore(snap)
+        except (ValueError, RuntimeError):
+            KVCache.rollback(self, 0)
+            self._checkpoint = None
+            for state in self.states:
+                state.reset()
+            raise
+
     def state_bytes(self) -> int:
         """Bytes of the recurrent states and of the one checkpoint kept of them."""
         live = sum(state.nbytes() for state in self.states)
@@ -188,6 +249,24 @@ class RecurrentCache(KVCache):
 
     def nbytes(self) -> int:
         return super().nbytes() + self.state_bytes() + self.replay_bytes()
+
+
+def _put_states(out: dict, name: str, snaps: list) -> None:
+    """Recurrent layers' snapshots (each None, or a tuple of tensors and Nones) as named tensors."""
+    for i, snap in enumerate(snaps):
+        for j, t in enumerate(snap or ()):
+            if t is not None:
+                out[f"{name}.{i}.{j}"] = t.contiguous().cpu()
+
+
+def _get_states(tensors: dict, name: str, layers: int, device) -> list:
+    if any(k.startswith(f"{name}.{layers}.") for k in tensors):
+        raise ValueError(f"more than the cache's {layers} recurrent layers")
+    snaps = []
+    for i in range(layers):
+        parts = [None if (t := tensors.get(f"{name}.{i}.{j}")) is None else t.to(device) for j in range(2)]
+        snaps.append(None if all(p is None for p in parts) else tuple(parts))
+    return snaps
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

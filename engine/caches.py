@@ -41,8 +41,9 @@ def identity(model: Path) -> str | None:
         return None
 
 
-def derived(model: Path, cache_dir: Path | None = None) -> list[Path]:
-    """The caches derived from the checkpoint folder `model`."""
+def derived(model: Path, cache_dir: Path | None = None, resume_dir: Path | None = None) -> list[Path]:
+    """The caches derived from the checkpoint folder `model` (with `resume_dir`, the
+    conversations' caches a resume store keeps of it too)."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     where = hashlib.sha256(str(model.resolve()).encode()).hexdigest()[:12]
     out = sorted((root / "quantized").glob(f"*-{where}-*"))
@@ -52,16 +53,22 @@ def derived(model: Path, cache_dir: Path | None = None) -> list[Path]:
         routing = root / "routing" / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
         if routing.is_file():
             out.append(routing)
+        if resume_dir is not None:
+            out += sorted(Path(resume_dir).glob(f"{ident[:16]}-*.safetensors"))
     return out
 
 
-def orphans(models: list[Path], cache_dir: Path | None = None) -> list[Path]:
+def orphans(models: list[Path], cache_dir: Path | None = None, resume_dir: Path | None = None) -> list[Path]:
     """Derived caches none of these checkpoint folders owns any more (a model removed,
-    re-downloaded or edited since): quantized copies, routing counts and fidelity figures."""
+    re-downloaded or edited since): quantized copies, routing counts and fidelity figures,
+    and conversations' caches in `resume_dir`."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     owned = {p for m in models for p in derived(m, root)}
     idents = {i for m in models if (i := identity(m))}
     out = []
+    if resume_dir is not None:
+        out += sorted(f for f in Path(resume_dir).glob("*.safetensors")
+                      if not any(f.name.startswith(i[:16] + "-") for i in idents))
     for q in sorted((root / "quantized").glob("*")):
         if q.is_dir() and q not in owned:
             out.append(q)

@@ -3,6 +3,8 @@ costs every chat measures. `loading.open()` makes one from a plan; `Engine.chat(
 a conversation (session.py)."""
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -14,6 +16,7 @@ from .cache import RecurrentCache
 from .errors import BadRequest, CheckpointError
 from .session import Chat
 from .speculative import DraftController, PassCosts
+from .targets.qcache import source_identity
 from .targets.quantized import load_quantized
 from .targets.resident import checkpoint_dtype, load_resident
 
@@ -45,6 +48,10 @@ class Engine:
         self.costs = PassCosts()               # measured by every chat, shared by all
         self.drafter_note = ""                 # why the drafter is not the one asked for
         self._mtp_layer = None                 # the checkpoint's MTP layer, once --drafter mtp loaded it
+        # where chats keep their caches when they switch away, and find them again
+        # (engine.resume.ResumeStore); None: conversations resume by prefilling
+        self.resume = None
+        self._resume_key: tuple[str, str] | None = None
 
     def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
                     cache_dir: Path | None = None, fast: bool = True, weights: str = "auto") -> None:
@@ -119,9 +126,24 @@ class Engine:
     def chat(self, system: str | None = None) -> Chat:
         return Chat(self, system)
 
+    def resume_key(self) -> tuple[str, str]:
+        """What a kept cache must match to be used (engine/resume.py): the weights' identity,
+        and how this engine computes its cache."""
+        if self._resume_key is None:
+            c, t = self.target.cache, self.target
+            how = [self.plan.chosen if self.plan else None, _weights_label(t), t.kind, str(self.dtype),
+                   str(self.device), kernels.note(self.dtype) if self.device.type == "cpu" else "",
+                   type(c).__name__, c.layers, c.kv_heads, c.head_dim, str(c.dtype)]
+            self._resume_key = (source_identity(self.checkpoint.path)[:16],
+                                hashlib.sha256(json.dumps(how).encode()).hexdigest()[:8])
+        return self._resume_key
+
     def claim_cache(self, chat: Chat) -> None:
-        """One KV cache per engine: a chat that did not fill it last starts from empty."""
+        """One KV cache per engine: a chat that did not fill it last starts from empty (the
+        one that did keeps its cache in the resume store, where there is one)."""
         if self.cache_owner is not chat:
+            if self.cache_owner is not None:
+                self.cache_owner.keep()
             self.target.cache.rollback(0)
             chat.cached_ids = []
             self.cache_owner = chat

@@ -8,6 +8,7 @@ that were generated)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
@@ -105,6 +106,11 @@ class Messages:
     def clear(self) -> None:
         self.messages = [m for m in self.messages if m["role"] == "system"]
 
+    def keep(self) -> bool:
+        """Keep this conversation's cache to resume it warm (Chat.keep); where answers are
+        written elsewhere there is none to keep."""
+        return False
+
     def restore(self, messages: list[dict]) -> None:
         """Replace the conversation (a saved one resumed, or the turns before a retried
         answer). Not while an answer is being generated. The KV cache is not touched:
@@ -158,7 +164,22 @@ class Chat(Messages):
         text, special = render_text(tok, self.messages[:-1], self.thinking, tools)
         if self._turn_text and text.startswith(self._turn_text):
             return self._turn_ids + encode(tok, text[len(self._turn_text):]), text
+        store = self.engine.resume
+        kept = store.turn(self.engine.resume_key(), text) if store is not None else None
+        if kept is not None:            # a conversation resumed: its ids as the chat that never closed had them
+            return kept[1] + encode(tok, text[len(kept[0]):]), text
         return encode(tok, text, special), text
+
+    def keep(self) -> bool:
+        """Write what the KV cache holds for this chat to the engine's resume store, so the
+        conversation resumes without prefilling it again (a chat UI closing or switching
+        away, a one-shot answer). False where there is no store, the cache is another
+        chat's, or the store did not take it (too short, over budget: `store.problem`)."""
+        store = self.engine.resume
+        if store is None or self.engine.cache_owner is not self or not self.cached_ids:
+            return False
+        return store.save(self.engine.resume_key(), self.engine.target.cache, self.cached_ids,
+                          self._turn_text, self._turn_ids) is not None
 
     # -- a turn
     def send(self, text: str, max_new_tokens: int = 512, temperature: float = 0.0,
@@ -268,6 +289,27 @@ class Chat(Messages):
         finally:
             self._turn_text, self._turn_ids = "", []       # a chat turn after it renders afresh
 
+    def _switch(self, prompt: list[int], keep: int) -> int:
+        """Where the engine keeps caches: before a prompt that drops most of what the cache
+        holds (another conversation), keep it; then load the longest kept prefix of the
+        prompt if it is longer than what the cache shares. The tokens loaded, or 0."""
+        store = self.engine.resume
+        if store is None:
+            return 0
+        dropped = len(self.cached_ids) - keep
+        if dropped >= store.min_tokens and dropped * 2 >= len(self.cached_ids):
+            self.keep()
+        if len(prompt) - keep <= store.min_tokens // 2:
+            return 0                  # a few tokens to prefill: quicker than reading a file
+        cache = self.engine.target.cache
+        got = store.restore(self.engine.resume_key(), cache, prompt, keep)
+        if got:
+            self.cached_ids = list(prompt[:got])
+        elif cache.length != len(self.cached_ids):       # an entry failed to load into it
+            self.cached_ids = []
+            cache.rollback(0)
+        return got
+
     def _answer(self, answer: dict, params: SamplingParams, max_new_tokens: int,
                 rendered: tuple[list[int], str], split: bool = True, constraint=None, calls=None) -> Iterator:
         eng, target = self.engine, self.engine.target
@@ -281,10 +323,13 @@ class Chat(Messages):
         thought_tokens = 0
         reason, error, bad_weights = "length", "", False
         tracker = None
+        started = time.perf_counter()
         try:
             prompt, prompt_text = rendered
             eng.claim_cache(self)
             keep = common_prefix(self.cached_ids, prompt)
+            restored = self._switch(prompt, keep)
+            keep = common_prefix(self.cached_ids, prompt)     # what the cache holds now
             if keep == len(prompt):
                 keep -= 1          # at least one token must run to get the next logits
             # A recurrent state goes back only to a kept checkpoint or to the start
@@ -292,7 +337,7 @@ class Chat(Messages):
             keep = target.cache.restorable(keep)
             target.cache.rollback(keep)
             self.cached_ids = self.cached_ids[:keep]
-            tracker = StatsTracker(target, len(prompt), len(prompt) - keep)
+            tracker = StatsTracker(target, len(prompt), len(prompt) - keep, restored, started)
             first = None
             # In chunks: Esc, Ctrl-C or a client gone stops a long prompt within one chunk,
             # and each chunk but the last reports progress.

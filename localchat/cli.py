@@ -98,7 +98,8 @@ def run(argv: list[str] | None = None) -> int:
     try:
         if interactive and not args.json:
             from .tui.app import run_tui
-            return run_tui(lambda s, progress=None: open_engine(s, progress, api_key=args.api_key),
+            return run_tui(lambda s, progress=None: open_engine(s, progress, api_key=args.api_key,
+                                                                resume=not args.no_log, data_dir=args.data_dir),
                            settings, data_dir=args.data_dir, resume="last" if args.resume_last else args.cid,
                            save=not args.no_log, thinking=args.thinking)
         from .oneshot import run_oneshot

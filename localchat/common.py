@@ -30,6 +30,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "resident-int4, streamed-exact")
     p.add_argument("--context", type=int, metavar="N",
                    help="tokens of conversation to plan memory for (default: 4096 when streaming)")
+    p.add_argument("--resume-budget", metavar="SIZE",
+                   help="disk the kept caches of conversations may take, so they resume without prefilling "
+                        "again (default 4GiB; 0 = keep none)")
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template to use instead of the model's own (one that has tool calls, say)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
@@ -90,6 +93,10 @@ def check_flags(s: config_mod.Settings) -> str | None:
                 return f"{flag} {size}: must be more than 0"
         except BadRequest as exc:
             return str(exc)
+    try:
+        parse_size(s.resume_budget, "--resume-budget")
+    except BadRequest as exc:
+        return str(exc)
     if s.draft_tokens is not None and not 0 <= s.draft_tokens <= 64:
         return f"--draft-tokens {s.draft_tokens}: must be between 0 and 64"
     if s.context is not None and s.context < 16:
@@ -102,6 +109,17 @@ def check_flags(s: config_mod.Settings) -> str | None:
         except ValueError as exc:
             return str(exc)
     return None
+
+
+def resume_store(settings: config_mod.Settings, data_dir: str | None = None):
+    """Where conversations keep their caches: `resume/` beside history.db; None where
+    --resume-budget is 0."""
+    import engine
+    from engine.hardware import parse_size
+    budget = parse_size(settings.resume_budget, "--resume-budget")
+    if budget <= 0:
+        return None
+    return engine.ResumeStore(config_mod.resume_dir(data_dir), budget)
 
 
 def read_template(path: str) -> str:
@@ -143,9 +161,11 @@ def load_settings(args: argparse.Namespace) -> config_mod.Settings | None:
     return settings
 
 
-def open_engine(settings: config_mod.Settings, progress=None, api_key: str | None = None):
+def open_engine(settings: config_mod.Settings, progress=None, api_key: str | None = None, resume: bool = False,
+                data_dir: str | None = None):
     """The engine for these settings; `progress(what, done, total)` hears about loading
-    where the engine reports it (streamed layers). With a backend, its model in the engine's place (localchat/remote.py)."""
+    where the engine reports it (streamed layers). With a backend, its model in the engine's place (localchat/remote.py).
+    resume: conversations keep their caches in the data dir (`data_dir`, else the user's) to resume warm."""
     if settings.backend:
         from . import remote
         return remote.RemoteEngine(settings.backend, settings.backend_model, remote.api_key(api_key))
@@ -163,6 +183,8 @@ def open_engine(settings: config_mod.Settings, progress=None, api_key: str | Non
                       context=settings.context, progress=progress)
     if settings.chat_template:
         eng.tokenizer.chat_template = read_template(settings.chat_template)
+    if resume:
+        eng.resume = resume_store(settings, data_dir)
     note = eng.describe().get("kernels", "")          # "none (why): torch's kernels" where none runs
     if "cannot build the kernels there" in note:       # it answers, several times slower: say why
         error(f"{note[note.index('(') + 1:note.rindex(')')]}; answering with torch's kernels")

@@ -36,6 +36,7 @@ class Settings:
     backend: str | None = None        # an OpenAI-compatible server's URL: answer there, load no model
     backend_model: str | None = None  # which of its models (default: the first it lists)
     chat_template: str | None = None  # a Jinja chat template file used instead of the model's own
+    resume_budget: str = "4GiB"       # disk the conversations' kept caches may take (engine/resume.py); 0 = none
 
 
 # The environment names each setting takes, e.g. LOCALCHAT_MODEL, LOCALCHAT_MAX_TOKENS.
@@ -58,6 +59,11 @@ def data_dir() -> Path:
         return Path(env)
     import platformdirs
     return Path(platformdirs.user_data_dir("localchat"))
+
+
+def resume_dir(data: str | Path | None = None) -> Path:
+    """Where conversations keep their caches to resume warm: beside history.db."""
+    return (Path(data) if data else data_dir()) / "resume"
 
 
 def config_path() -> Path:

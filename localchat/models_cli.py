@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import config
 from .argparsing import Parser
 from .common import EXIT_OK, EXIT_USAGE, error, load_settings
 from .format import human_bytes
@@ -100,7 +101,7 @@ def find_models(configured: str | None) -> list[Model]:
                          last_used=caches.last_used(local)))
     for m in out:
         if m.checkpoint is not None:
-            m.derived = caches.derived(m.checkpoint)
+            m.derived = caches.derived(m.checkpoint, resume_dir=config.resume_dir())
             m.derived_size = sum(caches.disk_bytes(p) for p in m.derived)
     return out
 
@@ -188,7 +189,7 @@ def remove(models: list[Model], name: str, yes: bool) -> int:
 
 def prune(models: list[Model], yes: bool) -> int:
     from engine import caches
-    stale = caches.orphans([m.checkpoint for m in models if m.checkpoint is not None])
+    stale = caches.orphans([m.checkpoint for m in models if m.checkpoint is not None], resume_dir=config.resume_dir())
     if not stale:
         print("nothing to prune: every derived cache belongs to a model here", file=sys.stderr)
         return EXIT_OK

@@ -29,7 +29,8 @@ def format_stats(s) -> str:
     if getattr(s, "backend", ""):
         return remote_line(s)
     peak = s.peak_host_bytes or s.host_bytes
-    line = (f"{s.prompt_tokens} prompt tokens ({s.prefill_tokens} prefilled) · prefill {s.prefill_tps:.1f} tok/s · "
+    restored = f", {s.restored_tokens} restored" if getattr(s, "restored_tokens", 0) else ""
+    line = (f"{s.prompt_tokens} prompt tokens ({s.prefill_tokens} prefilled{restored}) · prefill {s.prefill_tps:.1f} tok/s · "
             f"decode {s.decode_tps:.1f} tok/s · {s.generated_tokens} tokens · {s.tokens_per_pass:.2f} tok/pass")
     if s.drafted_tokens:
         line += (f" · drafted {s.drafted_tokens}, accepted {s.accepted_tokens} ({s.acceptance:.0%}) · "
@@ -204,7 +205,7 @@ def run_oneshot(args, settings) -> int:
             error(str(exc))
             return EXIT_USAGE
     try:
-        eng = open_engine(settings, api_key=args.api_key)
+        eng = open_engine(settings, api_key=args.api_key, resume=not args.no_log, data_dir=args.data_dir)
     except engine.EngineError as exc:
         error(str(exc))
         return EXIT_USAGE
@@ -259,6 +260,7 @@ def run_oneshot(args, settings) -> int:
     if stream:
         out.write(thinking.end())
     log.answer(done, stats)
+    chat.keep()              # the next --continue prefills only its own prompt
     if args.json:
         record = {"model": eng.name, "text": done.text, "token_ids": list(done.token_ids),
                   "finish_reason": done.reason, "stats": stats.as_dict() if stats else {}}

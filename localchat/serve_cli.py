@@ -9,6 +9,7 @@ request on stderr."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import socket
@@ -76,7 +77,7 @@ def serve_main(argv: list[str]) -> int:
     name = args.served_model_name or _model_id(settings.model)
     models = Models(name, settings, aliases=tuple(filter(None, [settings.model])), keep_alive=args.keep_alive,
                     discover=not args.only and not settings.backend)
-    runner = Runner(open_engine, models, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
+    runner = Runner(functools.partial(open_engine, resume=True), models, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                     max_tokens=settings.max_tokens)
     runner.start()
     app = make_app(runner, api_key=args.api_key)
@@ -94,7 +95,7 @@ def serve_main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        runner.stop()
+        runner.stop(wait_s=30)        # the conversations' caches kept, an answer in flight stopped
     print("localchat serve: stopped", file=sys.stderr, flush=True)
     # The engine thread may be inside an answer: leave without tearing it down.
     sys.stderr.flush()

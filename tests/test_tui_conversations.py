@@ -280,3 +280,29 @@ def test_a_history_that_fails_mid_session_is_reported_once_and_the_chat_goes_on(
             assert len(notes) == 1 and "history.db" in notes[0], notes
 
     asyncio.run(main())
+
+
+def test_a_conversation_reopened_after_quitting_resumes_warm(tiny_llama, db, tmp_path):
+    """Quitting keeps the conversation's cache (run_tui calls keep_conversation once the app
+    has closed); reopening it with --continue in a new session (a new engine) prefills only
+    the new turn, and the status bar says how much came from the kept cache."""
+    store = engine.ResumeStore(tmp_path / "resume", 1 << 30)
+
+    async def session(resume, text):
+        eng = engine.open(str(tiny_llama))
+        eng.resume = store
+        app = make_app(eng, db, resume=resume)
+        async with app.run_test(size=SIZE) as pilot:
+            await loaded(pilot, app)
+            await send_and_wait(pilot, app, text)
+            status = app.status_bar.text
+        assert app.wait_for_generation(5)
+        app.keep_conversation()
+        return app.chat.last_stats, status
+
+    first, _ = asyncio.run(session(None, "The quick brown fox jumps over the lazy dog. " * 10))
+    assert first.restored_tokens == 0 and len(store.entries()) == 1
+    second, status = asyncio.run(session("last", "and then?"))
+    assert second.restored_tokens >= first.prompt_tokens
+    assert second.prefill_tokens < second.prompt_tokens - first.prompt_tokens
+    assert f"{second.restored_tokens} restored" in status

@@ -61,10 +61,18 @@ class LinearState:
         if snap is None:
             self.reset()
             return
+        conv, rec = snap
+        if (conv is not None and lay.conv_states[0] is None) or (rec is not None and lay.recurrent_states[0] is None):
+            # a state restored from disk before this layer ever ran: transformers allocates it
+            lay.lazy_initialization(conv_states=None if lay.conv_states[0] is not None else conv,
+                                    recurrent_states=None if lay.recurrent_states[0] is not None else rec)
         # copy_ into the tensors the layer holds: they keep their address (a captured graph
         # may point at them)
         for live, saved in zip((lay.conv_states[0], lay.recurrent_states[0]), snap):
             if saved is not None:
+                if live is None or live.shape != saved.shape:
+                    raise ValueError(f"a recurrent state of shape {tuple(saved.shape)} for a layer holding "
+                                     f"{None if live is None else tuple(live.shape)}")
                 live.copy_(saved)
         lay.has_previous_state[0] = True
 

@@ -125,6 +125,8 @@ class Models:
         return plan.row(plan.chosen).total, room
 
     def unload(self, slot: Slot) -> None:
+        if slot.chat is not None:
+            slot.chat.keep()            # its last conversation resumes warm when it loads again
         engine, slot.engine, slot.chat = slot.engine, None, None
         slot.state, slot.footprint = "unloaded", 0
         close = getattr(engine, "close", None)

@@ -58,8 +58,12 @@ class Runner:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """No more jobs; the engine thread keeps each loaded model's conversation (to resume
+        warm) and ends. `wait_s`: how long to wait for that."""
         self._jobs.put(None)
+        if wait_s and self._thread.is_alive():
+            self._thread.join(wait_s)
 
     # the server's own model (the one it was started with)
     @property
@@ -108,6 +112,9 @@ class Runner:
                 self.models.expire()
                 continue
             if job is None:
+                for slot in self.models.slots.values():
+                    if slot.chat is not None:
+                        slot.chat.keep()
                 return
             with self._lock:
                 self._waiting -= 1

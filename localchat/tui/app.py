@@ -196,6 +196,12 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStream
         """Block until no answer is being generated (its partial text is saved by then)."""
         return self._idle.wait(timeout)
 
+    def keep_conversation(self) -> None:
+        """Once the app has closed and no answer runs: keep the conversation's cache, so
+        reopening it (--continue, the conversations list) resumes without prefilling it."""
+        if self.chat is not None and self._idle.is_set():
+            self.chat.keep()
+
     def watch_theme(self, theme: str) -> None:
         # A theme picked anywhere (settings, the palette's "Change theme") is kept.
         if self.is_mounted and theme != self.settings.theme:
@@ -460,7 +466,8 @@ def run_tui(load_engine: LoadEngine, settings: Settings, data_dir: str | None = 
     guard = HangupGuard(app).install()   # a closed terminal or SIGHUP/SIGTERM ends the app
     try:
         app.run()
-        app.wait_for_generation(10)      # a stopped answer is saved by its own thread
+        if app.wait_for_generation(10):      # a stopped answer is saved by its own thread
+            app.keep_conversation()
         if db is not None:
             db.close()
     finally:

@@ -86,6 +86,7 @@ class EngineLoading:
         carries over to the new chat."""
         if self.chat is not None:
             self._carry = [dict(m) for m in self.chat.messages]
+            self.on_engine_thread(self.chat.keep)      # before the engine goes: the conversation resumes warm
         self.settings = settings
         self._start_loading()
 

@@ -52,6 +52,9 @@ class StatusBar(Widget):
             fields = [f"prefill {s.prefill_tokens - s.prefill_pending}/{s.prefill_tokens} · {rate(s.prefill_tps)} tok/s"]
         else:
             fields = [f"prefill {rate(s.prefill_tps)} · decode {rate(s.decode_tps)} tok/s"]
+        if s.restored_tokens:
+            # a conversation resumed warm: this much of its prompt came from the kept cache
+            fields.append(f"{s.restored_tokens} restored")
         if s.drafted_tokens:
             # Speculative decoding at work: tokens each target pass adds, how many drafts
             # the target kept, and the draft length chosen for the last round.
