@@ -91,6 +91,7 @@ class KVCache:
             out[f"v.{i}"] = v.narrow(2, 0, n).contiguous().cpu()
         return out
 
+    @torch.inference_mode()          # the cache's tensors are inference tensors (the passes run in that mode)
     def load(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         """Hold what `export()` gave (`length` positions) in place of the cache's contents.
         ValueError where it does not fit this cache's layout; the cache is then empty."""
@@ -217,6 +218,7 @@ class RecurrentCache(KVCache):
             _put_states(out, "checkpoint", self._checkpoint[1])
         return out
 
+    @torch.inference_mode()
     def load(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         self._pending = None
         self._checkpoint = None

@@ -15,8 +15,10 @@ An entry's name says what it may be used for, `<model>-<how>-<n>-<prefix>.safete
 - how: how the cache was computed (profile, weights format, dtype, device, kernel build,
   cache layout);
 - n and prefix: the number of tokens and a hash of exactly those ids.
-It is used only when all of these match and every tensor's crc32 is the one written with
-it. Anything else (an older format, a truncated or altered file, another layout) is
+A prompt takes the entry of the same model and how that shares the longest prefix with it,
+as far as the cache can go back (keys and values anywhere, a recurrent state to its turn
+checkpoint): what a cache kept in memory would give the next turn. It is used only when
+every tensor's crc32 is the one written with it. Anything else (an older format, a truncated or altered file, another layout) is
 deleted and the prompt prefilled as if there had been none.
 
 The store holds at most `budget` bytes and never more than a quarter of the free disk;
@@ -35,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .cache import common_prefix
 
 VERSION = 1
 MIN_TOKENS = 64         # shorter prefixes prefill in a moment: not worth a file
@@ -115,7 +119,9 @@ class ResumeStore:
         tensors["turn_ids"] = torch.tensor(turn_ids, dtype=torch.int64)
         tensors["turn_text"] = torch.frombuffer(bytearray(turn_text.encode()) or bytearray(1), dtype=torch.uint8)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        meta = {"version": str(VERSION), "tokens": str(n), "text_chars": str(len(turn_text)),
+        recurrent = any(name.startswith("state.") for name in tensors)
+        rewind = "any" if not recurrent else str(int(tensors["checkpoint"][0])) if "checkpoint" in tensors else ""
+        meta = {"version": str(VERSION), "tokens": str(n), "rewind": rewind, "text_chars": str(len(turn_text)),
                 "text_bytes": str(len(turn_text.encode())), "text_hash": text_hash(turn_text),
                 "crc32": json.dumps({name: _crc(t) for name, t in tensors.items()})}
         try:
@@ -185,24 +191,49 @@ class ResumeStore:
         return best
 
     def restore(self, key: tuple[str, str], cache, prompt: list[int], longer_than: int) -> int:
-        """Load into `cache` the longest kept prefix of `prompt` that is longer than
-        `longer_than` tokens and leaves at least one token to run; its length, or 0 where
-        there is none (the cache untouched)."""
+        """Load into `cache` the longest kept prefix of `prompt` longer than `longer_than`
+        tokens that leaves at least one token to run; its length, or 0 where there is none
+        (the cache untouched). As a cache in memory does for the next turn: an entry that
+        shares only part of its tokens with the prompt gives that part where its cache can go
+        back to it (keys and values anywhere; a recurrent state to its turn checkpoint)."""
         last, self._read_last = self._read_last, None
-        for e in sorted(self.entries(key), key=lambda e: -e.tokens):
-            if not longer_than < e.tokens < len(prompt) or e.prefix != ids_hash(prompt[:e.tokens]):
-                continue
+        best: tuple[int, Entry] | None = None
+        for e in self.entries(key):              # newest use first: it wins a tie
             try:
-                tensors = last[1] if last is not None and last[0] == e.path else _read(e.path)
-                if tensors["ids"].tolist() != list(prompt[:e.tokens]):
-                    raise ValueError("its ids are not the name's")
-                cache.load(tensors, e.tokens)
-            except (ValueError, KeyError, RuntimeError):
-                _remove(e.path)             # stale or damaged: never used, and not tried again
+                meta = _metadata(e.path)
+                ids = (last[1] if last is not None and last[0] == e.path else _read(e.path, ("ids",)))["ids"]
+            except (ValueError, KeyError):
+                _remove(e.path)
                 continue
-            _touch(e.path)
-            return e.tokens
-        return 0
+            except OSError:
+                continue
+            shared = min(common_prefix(ids.tolist(), prompt), len(prompt) - 1)
+            usable = _usable(meta.get("rewind", ""), e.tokens, shared)
+            if usable > longer_than and (best is None or usable > best[0]):
+                best = (usable, e)
+        if best is None:
+            return 0
+        usable, e = best
+        try:
+            tensors = last[1] if last is not None and last[0] == e.path else _read(e.path)
+            cache.load(tensors, e.tokens)
+            cache.rollback(usable)
+        except (ValueError, KeyError, RuntimeError):
+            _remove(e.path)             # damaged, or not this cache's: never used, and not tried again
+            return 0
+        _touch(e.path)
+        return usable
+
+
+def _usable(rewind: str, tokens: int, shared: int) -> int:
+    """How many of an entry's `tokens` a prompt sharing `shared` of them can use: `rewind`
+    "any" (keys and values go back anywhere), else the recurrent state's turn checkpoint
+    (or "" for none): all of them, or back to the checkpoint."""
+    if shared >= tokens:
+        return tokens
+    if rewind == "any":
+        return shared
+    return int(rewind) if rewind.isdigit() and int(rewind) <= shared else 0
 
 
 def _read(path: Path, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:

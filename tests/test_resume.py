@@ -87,6 +87,54 @@ def test_a_resumed_conversation_answers_as_if_it_never_closed(request, tmp_path,
         assert any(k.startswith("state.") for k in a) and "checkpoint" in a
 
 
+@pytest.mark.parametrize("which", ["llama", "hybrid"])
+def test_an_edited_answer_resumes_from_what_it_shares(request, tmp_path, which):
+    """The last answer edited (the chat UI's edit, a client sending other text): the kept
+    cache gives the tokens the new prompt shares with it, as far back as the cache can go
+    (keys and values anywhere, a recurrent state to its turn checkpoint), as the
+    conversation kept in memory does; the answer is that conversation's."""
+    never = _open(request, tmp_path, which, "resident-exact")
+    chat = never.chat()
+    _, first_stats = _turn(chat, FIRST)
+    edited = [dict(m) for m in chat.messages]
+    edited[-1]["content"] = "Something else entirely."
+    chat.restore(edited)
+    want, want_stats = _turn(chat, NEXT)
+
+    store = engine.ResumeStore(tmp_path / "resume", 1 << 30)
+    chat = _open(request, tmp_path, which, "resident-exact", store).chat()
+    _turn(chat, FIRST)
+    assert chat.keep()
+    chat = _open(request, tmp_path, which, "resident-exact", store).chat()
+    chat.restore(edited)
+    got, stats = _turn(chat, NEXT)
+    assert got.token_ids == want.token_ids
+    assert stats.restored_tokens == want_stats.prompt_tokens - want_stats.prefill_tokens > 0
+    if which == "hybrid":
+        assert stats.restored_tokens == first_stats.prompt_tokens          # the turn checkpoint
+
+
+def test_the_demo_model_resumes_warm(demo_engine, tmp_path):
+    eng = demo_engine
+    first = "Here are some notes about the weather in spring, summer, autumn and winter. " * 6
+    never = eng.chat()
+    _turn(never, first)
+    want, _ = _turn(never, "Which season is the warmest?")
+    eng.claim_cache(eng.chat())            # an empty chat holds the cache: nothing of another test's is kept
+    eng.resume = engine.ResumeStore(tmp_path / "resume", 1 << 30)
+    try:
+        chat = eng.chat()
+        _turn(chat, first)
+        assert chat.keep()
+        again = eng.chat()                 # takes the cache: the kept entry is what it finds
+        again.restore([dict(m) for m in chat.messages])
+        eng.claim_cache(eng.chat())
+        got, stats = _turn(again, "Which season is the warmest?")
+        assert got.token_ids == want.token_ids and stats.restored_tokens > 0
+    finally:
+        eng.resume = None
+
+
 def _kept(request, tmp_path, store, path=None):
     """A conversation of one turn kept in `store` (resident-exact): its messages."""
     eng = _open(request, tmp_path, "llama", "resident-exact", store, path)
