@@ -52,6 +52,7 @@ class Engine:
         # (engine.resume.ResumeStore); None: conversations resume by prefilling
         self.resume = None
         self._resume_key: tuple[str, str] | None = None
+        self.context_note = "the model's own"    # why the context is as long as it is (loading._bound_context)
 
     def set_drafter(self, kind: str = "auto", draft_model: str | None = None, *, dtype: str | None = None,
                     cache_dir: Path | None = None, fast: bool = True, weights: str = "auto") -> None:
@@ -152,7 +153,7 @@ class Engine:
         t = self.target
         return {"model": self.name, "path": str(self.checkpoint.path), "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "forward": t.kind,
-                "weights_bytes": t.weight_bytes(), "context_max": t.max_positions,
+                "weights_bytes": t.weight_bytes(), "context_max": t.max_positions, "context_note": self.context_note,
                 "drafter": (self.drafter.kind if self.drafter.kind not in ("model", "mtp")
                             else f"{self.drafter.kind}:{self.drafter.name}"),
                 "draft_tokens": self.draft_tokens if self.draft_tokens is not None else "adaptive",

@@ -96,6 +96,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
                  draft_tokens=draft_tokens)
     eng.plan = plan
     target.prefill_chunk = plan.row(plan.chosen).prefill_chunk    # what the plan counted
+    eng.context_note = _bound_context(target, plan.row(plan.chosen), context)
     eng.set_drafter(drafter, draft_model, dtype=dtype, cache_dir=cache_dir, fast=fast, weights=drafter_weights)
     return eng
 
@@ -127,6 +128,13 @@ def quant_act_dtype(dev, requested=None) -> torch.dtype:
     """What a quantized target computes in: the requested dtype, else bf16 where the device
     has it natively (what load_quantized picks)."""
     return requested or kernels.default_dtype(dev, torch.bfloat16)
+
+
+def _bound_context(target, row, context: int | None) -> str:
+    """Set how long a conversation may grow (planner.context_limit); why, for describe()."""
+    limit, why = planner.context_limit(row, target.max_positions, context)
+    target.max_positions = target.cache.max_positions = limit
+    return why
 
 
 def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context,

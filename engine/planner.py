@@ -65,6 +65,19 @@ class PlanRow:
         return max(0, self.total - self.budget)
 
 
+def context_limit(row: PlanRow, own: int, context: int | None) -> tuple[int, str]:
+    """How long a conversation may grow under `row`, and why: --context where given, else
+    the model's own (`own`, its config), bounded by what the plan fits beside the weights (the
+    KV cache grows into it as the conversation does). A streamed profile keeps the context it
+    was planned for: the rest of its budget holds weights."""
+    if context:
+        return min(own, context), f"--context {context}" + (f" (the model's own is {own:,})" if context > own else "")
+    if row.placement == "streamed":
+        return min(own, row.context), f"planned for streaming (the model's own is {own:,}; --context plans for more)"
+    limit = min(own, max(row.context, row.max_context))
+    return limit, "the model's own" if limit == own else f"what fits in memory (the model's own is {own:,})"
+
+
 @dataclass
 class Plan:
     model: str

@@ -25,6 +25,8 @@ from .sampling import SamplingParams, make_generator
 from .stats import StatsTracker
 
 _FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+SUMMARY_REQUEST = ("Summarise the conversation below in a few sentences. Keep every name, number, decision and "
+                   "open question; write only the summary.\n\n")
 
 
 def render_text(tokenizer, messages: list[dict], thinking: bool | None = None,
@@ -169,6 +171,55 @@ class Chat(Messages):
         if kept is not None:            # a conversation resumed: its ids as the chat that never closed had them
             return kept[1] + encode(tok, text[len(kept[0]):]), text
         return encode(tok, text, special), text
+
+    def prompt_tokens(self, text: str) -> int:
+        """How many tokens the conversation would be with `text` as the next user message,
+        up to where the answer begins (nothing changes): to see whether a turn fits."""
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        try:
+            return len(self._prompt()[0])
+        finally:
+            del self.messages[-2:]
+
+    def summarise(self, messages: list[dict], max_new_tokens: int = 256) -> str:
+        """`messages` in a few sentences the model writes (greedy, no reasoning), to stand for
+        them where the context cannot hold them all. Runs a chat of its own on the engine
+        (this one's cache is given up); `cancel()` on this chat stops it."""
+        said = [f"{m['role']}: {m['content']}" for m in messages if m["role"] in ("user", "assistant")]
+        room = self.engine.target.cache.max_positions
+        max_new_tokens = max(1, min(max_new_tokens, room // 8))
+        other = Chat(self.engine)
+        other.thinking = False
+        other._cancel = self._cancel
+        self._cancel.clear()
+        while True:
+            other.messages = [{"role": "user", "content": SUMMARY_REQUEST + "\n\n".join(said)}]
+            try:
+                rendered = other._prompt_checked()
+            except BadRequest:
+                if len(said) <= 1:
+                    raise
+                said = said[1:]         # what the context holds of them, the latest
+                continue
+            if len(rendered[0]) + max_new_tokens <= room or len(said) <= 1:
+                break
+            said = said[1:]
+        for _ in other._answer({"role": "assistant", "content": ""}, SamplingParams(), max_new_tokens, rendered):
+            pass
+        if other.last_done.reason == "error":
+            raise BadRequest(f"the summary failed: {other.last_done.error}")
+        return other.last_done.text.strip()
+
+    def _prompt_checked(self) -> tuple[list[int], str]:
+        self.messages.append({"role": "assistant", "content": ""})
+        try:
+            rendered = self._prompt()
+        finally:
+            del self.messages[-1]
+        room = self.engine.target.cache.max_positions
+        if len(rendered[0]) >= room:
+            raise BadRequest(f"the conversation is {len(rendered[0])} tokens and the model's context holds {room}")
+        return rendered
 
     def keep(self) -> bool:
         """Write what the KV cache holds for this chat to the engine's resume store, so the
@@ -380,6 +431,10 @@ class Chat(Messages):
                         yield tracker.snapshot()
                 if self._cancel.is_set():
                     reason = "cancelled"
+                elif reason == "length" and len(generated) < max_new_tokens:
+                    # never a silent cut: the answer filled what the context holds
+                    error = (f"the context is full ({target.cache.max_positions:,} tokens); start a new chat, or "
+                             "drop or summarise the oldest turns")
         except EngineError as exc:
             reason, error = "error", str(exc)
             bad_weights = isinstance(exc, BadWeights)

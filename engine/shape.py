@@ -46,6 +46,8 @@ class ModelShape:
     # The element size the files hold, where a loader computes in another (dtype_bytes): a
     # streamed unit is then read through a staging buffer of its file bytes. 0: the same.
     file_dtype_bytes: int = 0
+    # The longest context the model was made for (max_position_embeddings; 0: not said)
+    max_positions: int = 0
 
     def replay_bytes(self, max_draft: int, act_bytes: int | None = None) -> int:
         """The replay buffer of a conversation drafting up to max_draft tokens a round."""
@@ -135,7 +137,9 @@ class ModelShape:
         n_experts, k = (number("num_experts"), number("num_experts_per_tok")) if experts else (0, 0)
         return cls(name or text.get("model_type", "model"), layers, hidden, heads, kv, hd, inter, vocab, dt,
                    linear, other, tied, attn or layers, _state_bytes(text, types, dt), *_replay_elems(text, types),
-                   expert_params=experts, experts=n_experts, experts_per_tok=k)
+                   expert_params=experts, experts=n_experts, experts_per_tok=k,
+                   max_positions=text.get("max_position_embeddings") if isinstance(
+                       text.get("max_position_embeddings"), int) else 0)
 
     @classmethod
     def from_checkpoint(cls, path: Path, name: str = "") -> "ModelShape":

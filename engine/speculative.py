@@ -203,7 +203,11 @@ def generate(target, drafter, controller: DraftController, history: list[int], f
     while produced < max_new_tokens and token not in stop_ids and not (constraint is not None and constraint.done):
         if cancel is not None and cancel.is_set():
             return
-        room = max_new_tokens - produced          # tokens we may still emit
+        # tokens we may still emit: a pass writes the token and its drafts, and the context
+        # holds only so many positions (full: the answer ends here, as at max_new_tokens)
+        room = min(max_new_tokens - produced, target.cache.max_positions - target.cache.length)
+        if room < 1:
+            return
         k = min(controller.choose(), room - 1)
         # The token is committed by this round's pass whatever is accepted: put it in the
         # history now, so the drafter reads the history itself (no copy per round).

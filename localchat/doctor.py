@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vram", metavar="SIZE", help="memory the engine may use on the device, e.g. 8GiB")
     p.add_argument("--ram", metavar="SIZE", help="host memory the engine may use, e.g. 32GiB")
     p.add_argument("--profile", metavar="NAME", help="force a profile (says by how much it does not fit)")
-    p.add_argument("--context", type=int, default=8192, metavar="N", help="tokens of context to plan for (8192)")
+    p.add_argument("--context", type=int, metavar="N",
+                   help="tokens of context to plan for (default: as a chat does, 4096 to pick the profile, then "
+                        "the model's own as far as memory holds it)")
     p.add_argument("--measure", action="store_true", help="time host RAM and disk reads and plan with them")
     p.add_argument("--fidelity", action="store_true",
                    help="measure how close int8 and int4 stay to the exact model on a held text (loads the model)")
@@ -97,13 +99,14 @@ def doctor_main(argv: list[str]) -> int:
             if dweights == "auto":
                 dweights = "int4" if settings.draft_model == "self" else "exact"
         elif settings.drafter == "mtp" and shape.mtp_params:
-            draft, dweights = shape.mtp_drafter(args.context or 4096), "exact"     # the checkpoint's own layer
+            draft, dweights = shape.mtp_drafter(args.context or min(4096, shape.max_positions or 4096)), "exact"     # the checkpoint's own layer
         read = bandwidth.measured(checkpoint.default_cache_dir(), hardware.pick_device(hw.device),
                                   refresh=args.measure)
         bw = bandwidth.rates(read)
         if args.measure:     # disk and host-to-device too (the streamed tiers); RAM is the read probe's
             bw.update(measure_bandwidth(checkpoint.default_cache_dir()))
-        plan = planner.make_plan(shape, hw, profs, context=args.context, drafter=draft, force=args.profile,
+        planned = args.context or min(4096, shape.max_positions or 4096)      # what engine.open plans for
+        plan = planner.make_plan(shape, hw, profs, context=planned, drafter=draft, force=args.profile,
                                  bandwidth=bw, runnable=engine.runnable(profs, shape),
                                  drafter_weights=dweights if draft else "exact",
                                  quant_act_bytes=torch.finfo(engine.quant_act_dtype(
@@ -135,14 +138,18 @@ def doctor_main(argv: list[str]) -> int:
     if hw.device == "cpu":
         print(_kernel_text())
     print(f"\nModel: {shape.name} · {shape.params / 1e6:.1f} M parameters · {shape.layers} layers · "
-          f"{shape.kv_bytes_per_token():,} bytes of KV per token · context planned {args.context}")
+          f"{shape.kv_bytes_per_token():,} bytes of KV per token · context planned {planned}")
     if planned_from != "checkpoint":
         print(f"Planned from {planned_from}: the model is not downloaded "
               f"(`localchat setup --model {settings.model}` fetches it)")
     print(_bandwidth_text(read, bw, hw.device, args.measure))
     print()
     print(planner.format_plan(plan))
-    threads = _streaming_threads_text(plan, shape, hw, args.context)
+    if plan.chosen:
+        limit, why = planner.context_limit(plan.row(plan.chosen), shape.max_positions or planned, args.context)
+        print(f"Context: a conversation may grow to {limit:,} tokens under {plan.chosen}: {why}. The chat UI "
+              "offers to drop or summarise the oldest turns before one would not fit.")
+    threads = _streaming_threads_text(plan, shape, hw, planned)
     if threads:
         print(threads)
     replay = _replay_text(plan, shape, profs)

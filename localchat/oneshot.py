@@ -277,6 +277,8 @@ def run_oneshot(args, settings) -> int:
     if done.reason == "error":
         error(done.error)
         return EXIT_USAGE if done.bad_weights else EXIT_FAIL
+    if done.reason == "length" and done.error:      # the answer stopped where the context is full
+        error(done.error)
     if done.reasoning and not done.text.strip() and not show_thinking:     # never a silent empty answer
         why = "its --max-tokens ran out" if done.reason == "length" else f"it ended ({done.reason})"
         error(f"the answer ended within the model's reasoning ({why}); raise --max-tokens, pass --no-think, "

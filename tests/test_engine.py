@@ -140,13 +140,25 @@ def test_kv_cache_rollback_and_growth(tiny_llama):
         t.cache.rollback(99)
 
 
-def test_context_full_is_a_clear_error(tmp_path, tokenizer):
+def test_an_answer_that_fills_the_context_ends_at_length_and_says_so(tmp_path, tokenizer):
+    """It stops where the context is full, as at max_tokens (the OpenAI API's "length"),
+    with a note why; drafting near the end drafts only what fits, so the answer is the
+    same with and without a drafter. A prompt that does not fit at all is refused."""
     from tiny import build_model
     path = build_model(tmp_path / "short", "llama", max_positions=64, tokenizer=tokenizer)
-    eng = engine.open(str(path))
-    eng.stop_ids = frozenset()
-    done = list(eng.chat().send("Why is the sky blue?", max_new_tokens=500))[-1]
-    assert done.reason == "error" and "context holds 64" in done.error and done.text
+    answers = []
+    for drafter in ("none", "ngram"):
+        eng = engine.open(str(path), drafter=drafter)
+        eng.stop_ids = frozenset()
+        eng.draft_tokens = None if drafter == "none" else 8
+        chat = eng.chat()
+        done = list(chat.send("Why is the sky blue?", max_new_tokens=500))[-1]
+        assert done.reason == "length" and "context is full (64 tokens)" in done.error and done.text
+        assert eng.target.cache.length == 64 and chat.last_stats.context_tokens == 64
+        answers.append(done.token_ids)
+        with pytest.raises(engine.BadRequest, match="context holds 64"):
+            chat.send("and then? " * 40)
+    assert answers[0] == answers[1]
 
 
 def test_sampling_is_seeded_and_varies(tiny_llama):

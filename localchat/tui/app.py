@@ -51,6 +51,7 @@ from localchat.config import Settings
 from .answer_stream import AnswerStreaming
 from .command_handlers import CommandHandlers
 from .commands import SlashCommandProvider, parse
+from .context_room import ContextRoom
 from .conversation_handlers import ConversationHandlers
 from .engine_thread import EngineThread
 from .loading import EngineLoading
@@ -65,7 +66,7 @@ EDITING = "editing your last prompt · Enter resends · Esc cancels"
 LoadEngine = Callable[[Settings, Callable[[str, int, int], None]], engine.Engine]
 
 
-class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStreaming, App):
+class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, ContextRoom, AnswerStreaming, App):
     """Chat with a local model. `load_engine` runs on the engine thread; it may raise
     `engine.EngineError`, which is shown and leaves the app open. `store` saves the
     conversations (a store without a database chats in memory); `resume` is a
@@ -257,7 +258,7 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStream
             else:
                 self.notify("The model is still loading…", severity="warning")
             return False
-        if self.generating:
+        if self.generating or self._making_room:
             self.notify("An answer is still being written: wait, or press Esc to stop it.",
                         severity="warning")
             return False
@@ -283,6 +284,8 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStream
                 self.end_editing()
                 return False
             self.chat.restore(before[:-2])
+        if not self.turn_fits(prompt, mode, before):
+            return False                 # asked what to do (context_room.py): it sends when decided
         s = self.settings
         try:
             # send() checks its arguments before it changes the conversation: a bad
@@ -369,7 +372,7 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, AnswerStream
             self.status_bar.activity = ""
 
     def action_stop(self) -> None:
-        if self.generating and self.chat is not None:
+        if (self.generating or self._making_room) and self.chat is not None:
             self.chat.cancel()
         elif self.editing:
             self.end_editing()

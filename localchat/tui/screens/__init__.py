@@ -1,6 +1,7 @@
 """Modal screens over the chat, one per module."""
 from .confirm import ConfirmScreen
+from .context_full import ContextFullScreen
 from .settings import SettingsScreen
 from .text_prompt import TextPromptScreen
 
-__all__ = ["ConfirmScreen", "SettingsScreen", "TextPromptScreen"]
+__all__ = ["ConfirmScreen", "ContextFullScreen", "SettingsScreen", "TextPromptScreen"]

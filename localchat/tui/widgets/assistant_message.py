@@ -172,7 +172,8 @@ class AssistantMessage(Vertical):
             self.reasoning_block.add_class("-shown")
         self._fold(reasoning_tokens)
         await self.markdown.update(text)
-        note = error if reason == "error" else _NOTES.get(reason, "")
+        # an error, or why an answer stopped short (the context full): said under it
+        note = error if reason == "error" or (reason == "length" and error) else _NOTES.get(reason, "")
         if note:
             label = self.query_one(".note", Static)
             label.update(note)
