@@ -20,6 +20,7 @@ class Stats:
     prompt_tokens: int = 0          # tokens in the rendered conversation, this turn
     prefill_tokens: int = 0         # tokens actually run through prefill (the rest came from the cache)
     restored_tokens: int = 0        # of the rest, those read from the resume store (a conversation resumed warm)
+    restore_seconds: float = 0.0    # ... and the time that took (before the prefill: time to first token is both)
     prefill_pending: int = 0        # of those, the ones not run yet (a long prefill on its way, chunk by chunk)
     prefill_seconds: float = 0.0
     prefill_tps: float = 0.0

@@ -374,12 +374,13 @@ class Chat(Messages):
         thought_tokens = 0
         reason, error, bad_weights = "length", "", False
         tracker = None
-        started = time.perf_counter()
         try:
             prompt, prompt_text = rendered
             eng.claim_cache(self)
             keep = common_prefix(self.cached_ids, prompt)
+            started = time.perf_counter()
             restored = self._switch(prompt, keep)
+            restore_seconds = time.perf_counter() - started if restored else 0.0
             keep = common_prefix(self.cached_ids, prompt)     # what the cache holds now
             if keep == len(prompt):
                 keep -= 1          # at least one token must run to get the next logits
@@ -388,7 +389,7 @@ class Chat(Messages):
             keep = target.cache.restorable(keep)
             target.cache.rollback(keep)
             self.cached_ids = self.cached_ids[:keep]
-            tracker = StatsTracker(target, len(prompt), len(prompt) - keep, restored, started)
+            tracker = StatsTracker(target, len(prompt), len(prompt) - keep, restored, restore_seconds)
             first = None
             # In chunks: Esc, Ctrl-C or a client gone stops a long prompt within one chunk,
             # and each chunk but the last reports progress.

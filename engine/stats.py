@@ -10,20 +10,19 @@ from .speculative import RoundStats
 
 class StatsTracker:
     def __init__(self, target, prompt_tokens: int, prefill_tokens: int, restored_tokens: int = 0,
-                 started: float | None = None):
-        """`restored_tokens`: of the prompt, those a resume store loaded; `started`: when the
-        turn began (perf_counter), if earlier than now (a resume store read before it)."""
+                 restore_seconds: float = 0.0):
+        """`restored_tokens`: of the prompt, those a resume store loaded, in `restore_seconds`."""
         self.target = target
         self.prompt_tokens = prompt_tokens
         self.prefill_tokens = prefill_tokens
-        self.restored_tokens = restored_tokens
+        self.restored_tokens, self.restore_seconds = restored_tokens, restore_seconds
         self.prefill_seconds = 0.0
         self.prefilled = 0          # prefill tokens run so far
         self.generated = 0
         self.decode_tokens = 0      # tokens produced by decode passes (the first comes from prefill)
         self.decode_seconds = 0.0
         self.rounds = RoundStats()  # drafted / accepted counts, filled by the decode loop
-        self._t0 = time.perf_counter() if started is None else started
+        self._t0 = time.perf_counter()
         self._last_emit = 0.0
         self._stream0 = target.stream_stats() if hasattr(target, "stream_stats") else None
 
@@ -69,6 +68,7 @@ class StatsTracker:
             prompt_tokens=self.prompt_tokens,
             prefill_tokens=self.prefill_tokens,
             restored_tokens=self.restored_tokens,
+            restore_seconds=self.restore_seconds,
             prefill_pending=self.prefill_tokens - self.prefilled if self.prefilled else 0,
             prefill_seconds=self.prefill_seconds,
             prefill_tps=self.prefilled / self.prefill_seconds if self.prefill_seconds else 0.0,

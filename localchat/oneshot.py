@@ -29,7 +29,8 @@ def format_stats(s) -> str:
     if getattr(s, "backend", ""):
         return remote_line(s)
     peak = s.peak_host_bytes or s.host_bytes
-    restored = f", {s.restored_tokens} restored" if getattr(s, "restored_tokens", 0) else ""
+    restored = (f", {s.restored_tokens} restored in {s.restore_seconds:.2f} s" if getattr(s, "restored_tokens", 0)
+                else "")
     line = (f"{s.prompt_tokens} prompt tokens ({s.prefill_tokens} prefilled{restored}) · prefill {s.prefill_tps:.1f} tok/s · "
             f"decode {s.decode_tps:.1f} tok/s · {s.generated_tokens} tokens · {s.tokens_per_pass:.2f} tok/pass")
     if s.drafted_tokens:
