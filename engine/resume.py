@@ -209,7 +209,10 @@ class ResumeStore:
                 continue
             shared = min(common_prefix(ids.tolist(), prompt), len(prompt) - 1)
             usable = _usable(meta.get("rewind", ""), e.tokens, shared)
-            if usable > longer_than and (best is None or usable > best[0]):
+            # worth reading: a gain of a few tokens (a template's first line) is quicker to prefill,
+            # and a small part of a large entry not worth its whole file
+            worth = usable >= longer_than + self.min_tokens // 2 and usable * 4 >= e.tokens
+            if worth and (best is None or usable > best[0]):
                 best = (usable, e)
         if best is None:
             return 0
