@@ -215,7 +215,7 @@ def test_drafter_command_switches_the_drafter(tiny_llama):
 
 def test_gauges_panel_shows_live_figures_sparkline_and_memory_plan(tiny_engine):
     """Ctrl+G shows the gauges: after an answer, decode tok/s, a sparkline with points,
-    context used/max, device and host memory, and the memory plan bar of the chosen
+    context used/max and why it is that long, device and host memory, and the memory plan bar of the chosen
     profile; Ctrl+G hides it again."""
     stop_ids = tiny_engine.stop_ids
     tiny_engine.stop_ids = frozenset()
@@ -231,6 +231,7 @@ def test_gauges_panel_shows_live_figures_sparkline_and_memory_plan(tiny_engine):
             await send_and_wait(pilot, app, "count")
             figures = app.gauges.figures().plain
             assert "context" in figures and "/ 4096 tokens" in figures and "device" in figures and "host" in figures
+            assert f"tokens · {tiny_engine.describe()['context_note']}" in figures    # why it is that long
             assert app.gauges.speeds, "no sparkline points"
             bar = app.gauges.query_one("PlanBar")
             assert bar.row is not None and bar.row.profile == tiny_engine.plan.chosen

@@ -3,7 +3,7 @@
     speed      prefill 412 tok/s · decode 35.8 tok/s
                ▂▃▅▆▇▇▆▇█▇▇▆            (decode tok/s over this answer)
     speculation 1.42 tok/pass · accept 48% · k 3  (predicted 1.38)
-    context    ███████░░░░░░░░░░░░░  1.2k / 4096 tokens
+    context    ███████░░░░░░░░░░░░░  1.2k / 4096 tokens · the model's own
     memory     device 630 MB of 8.0 GB · host 1.1 GB of 31 GB
     streamed   4.4 GB/s · 31% hidden behind compute   (streamed profile only)
     plan       resident-exact on cpu
@@ -74,6 +74,7 @@ class GaugesPanel(Vertical):
         self.budget = 0
         self.host_total = 0
         self.context_max = 0
+        self.context_note = ""    # why the context is that long (describe()'s context_note)
 
     def compose(self) -> ComposeResult:
         yield Static(id="gauge-speed-line")
@@ -90,6 +91,7 @@ class GaugesPanel(Vertical):
         self.budget = row.budget if row else 0
         self.host_total = host_total
         self.context_max = int(description.get("context_max") or 0)
+        self.context_note = description.get("context_note") or ""
         self.plan_label = (f"{description.get('profile') or 'resident'} on {description.get('device', '?')} · "
                            f"{description.get('dtype', '')} · drafter {description.get('drafter', '?')}"
                            + where_weights_live(description))
@@ -131,7 +133,8 @@ class GaugesPanel(Vertical):
                          if s.forward_passes else "–"))
         context_max = s.context_max or self.context_max
         rows.append(("context", Text.assemble(bar(s.context_tokens, context_max),
-                                              f"  {s.context_tokens} / {context_max or '?'} tokens")))
+                                              f"  {s.context_tokens} / {context_max or '?'} tokens",
+                                              (f" · {self.context_note}" if self.context_note else "", "dim"))))
         device = f"device {human_bytes(s.device_bytes)}" + (f" of {human_bytes(self.budget)}" if self.budget else "")
         host = f"host {human_bytes(s.host_bytes)}" + (f" of {human_bytes(self.host_total)}" if self.host_total else "")
         rows.append(("memory", f"{device} · {host}" if self.stats else "–"))
