@@ -163,7 +163,7 @@ def race(hf: Path, files: dict, only: list[str], cache: Path, rounds: int, token
         samples, bw, fig = interleaved(contenders, ids, tokens, -1, rounds)
         ours, peer = fig(f"ours {r}"), fig(f"llama.cpp {fmt}")
         weights = {"q4": "int4", "q8": "int8"}.get(r, "exact")
-        read = shape.read_bytes(weights)
+        read = shape.read_bytes(weights, head="exact" if weights == "exact" else "int8")
         desc = eng.describe()
         row = {"row": r, "llama_format": fmt, "ours": ours, "llama_cpp": peer,
                "decode_ratio": round(ours["decode_tps"] / peer["decode_tps"], 3),

@@ -200,7 +200,8 @@ def _weights_label(target) -> str:
     quant = getattr(target, "quant", None)
     if quant is None:
         return "exact"
-    return quant.weights + (f" g{quant.group_size}" if quant.group_size else "")
+    return (quant.weights + (f" g{quant.group_size}" if quant.group_size else "")
+            + (f", head {quant.head}" if quant.head != quant.weights else ""))
 
 
 def _load_mtp(eng):

@@ -87,7 +87,7 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
             keep = row.kept_experts
             texts = fidelity.held_texts(tokenizer, routing.TOKENS)
         target = load_quantized(ckpt.path, dev, prof.weights, group_size=prof.group_size, embeddings=prof.embeddings,
-                                act_dtype=None if dtype in (None, "auto") else dt, cache_dir=cache_dir,
+                                head=prof.head, act_dtype=None if dtype in (None, "auto") else dt, cache_dir=cache_dir,
                                 progress=progress, experts_in_memory=keep, routing_texts=texts)
     else:
         target = load_resident(ckpt.path, dev, dt, fast=fast, progress=progress)

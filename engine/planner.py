@@ -116,7 +116,7 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
               drafter_weights: str = "exact", quant_act_bytes: int | None = None, routing=None) -> Plan:
     """Every term of every profile; the chosen one is the first (by rank) that fits and,
     if `runnable` is given, that the engine has a target for. `quant_act_bytes`: the element
-    size a quantized target computes in (its unquantized embeddings, head, norms and KV
+    size a quantized target computes in (its unquantized embeddings, norms and KV
     cache) when it differs from the checkpoint's. `routing`: a mixture's measured expert
     use (targets/routing.py), which decides what a token reads from experts left on disk;
     None: uniform routing."""
@@ -196,7 +196,7 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     state = 2 * shape.state_bytes + shape.replay_bytes(p.max_draft)
     kv = kv_tok * context
     fixed = runtime + kv + state + act + draft_bytes + margin
-    weights = shape.weight_bytes(p.weights, p.group_size)
+    weights = shape.weight_bytes(p.weights, p.group_size, p.head_format)
     resident, host, disk, streamed = shape.layers, 0, 0, 0
     note = ""
     # a mixture streamed on a CPU reads its routed experts where they lie in the files
@@ -231,7 +231,7 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     spare = budget - (total - kv)
     max_context = max(0, spare // kv_tok) if kv_tok else 0
     if p.placement == "resident":
-        read = shape.read_bytes(p.weights, p.group_size)
+        read = shape.read_bytes(p.weights, p.group_size, head=p.head_format)
         seconds = (read - from_disk) / device_bw + from_disk / bw["disk"]
     else:
         # a streamed layer is moved whole (on a device: every expert of it)
@@ -280,7 +280,7 @@ def _mapped_experts(shape: ModelShape, p: Profile, short: int, device_bw: float,
         from_disk = int(routed * routing.mapped_share(n))
     else:
         from_disk = int(routed * mapped / experts)
-    read = shape.read_bytes(p.weights, p.group_size)
+    read = shape.read_bytes(p.weights, p.group_size, head=p.head_format)
     if read / device_bw < MAPPED_MIN_SPEED * ((read - from_disk) / device_bw + from_disk / disk_bw):
         return 0, 0, 0
     return mapped, from_disk, experts - mapped

@@ -8,7 +8,8 @@ the wheel; users add their own in the config dir's `profiles/`).
     placement = "streamed"   # resident | streamed
     weights = "exact"        # exact | int8 | int4
     group_size = 32          # int4 only
-    embeddings = false       # int8/int4: quantize the embeddings and output head too
+    head = "int8"            # int8/int4: the output head in int8 (per channel), or "exact"
+    embeddings = false       # int8/int4: quantize the embeddings and output head as the layers
     [drafter]
     kind = "auto"            # auto | ngram | model | none
     max_draft = 16
@@ -27,6 +28,7 @@ from .errors import BadRequest
 
 PLACEMENTS = ("resident", "streamed")
 WEIGHTS = ("exact", "int8", "int4")
+HEADS = ("int8", "exact")
 DRAFTER_KINDS = ("auto", "ngram", "model", "mtp", "none")
 
 
@@ -41,15 +43,25 @@ class Profile:
     margin_mib: int = 512
     group_size: int = 32
     embeddings: bool = False
+    head: str = "int8"
     rank: int = 100
     source: str = ""
+
+    @property
+    def head_format(self) -> str:
+        """How the output head is held: exact beside exact weights, as the layers with
+        `embeddings`, else `head`."""
+        if self.weights == "exact":
+            return "exact"
+        return self.weights if self.embeddings else self.head
 
 
 # key -> (type, allowed values or None, required)
 _SCHEMA = {
     "": {"name": (str, None, True), "summary": (str, None, False), "rank": (int, None, False)},
     "target": {"placement": (str, PLACEMENTS, True), "weights": (str, WEIGHTS, True),
-               "group_size": (int, (32, 64, 128, 256), False), "embeddings": (bool, None, False)},
+               "group_size": (int, (32, 64, 128, 256), False), "embeddings": (bool, None, False),
+               "head": (str, HEADS, False)},
     "drafter": {"kind": (str, DRAFTER_KINDS, False), "max_draft": (int, None, False)},
     "memory": {"margin_mib": (int, None, False)},
 }
@@ -84,6 +96,7 @@ def parse(text: str, source: str) -> Profile:
     return Profile(name=get("", "name", ""), summary=get("", "summary", ""), rank=get("", "rank", 100),
                    placement=get("target", "placement", ""), weights=get("target", "weights", ""),
                    group_size=get("target", "group_size", 32), embeddings=get("target", "embeddings", False),
+                   head=get("target", "head", "int8"),
                    drafter=get("drafter", "kind", "auto"),
                    max_draft=max_draft, margin_mib=margin, source=source)
 

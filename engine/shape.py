@@ -66,8 +66,17 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
         return 2 * self.attention_layers * self.kv_heads * self.head_dim * (dtype_bytes or self.dtype_bytes)
 
-    def weight_bytes(self, weights: str = "exact", group_size: int = 32) -> int:
-        return self.linear_bytes(weights, group_size) + self.other_params * self.dtype_bytes
+    def weight_bytes(self, weights: str = "exact", group_size: int = 32, head: str = "exact") -> int:
+        """Every weight held: the decoder matrices in `weights`, the output head (a tied
+        table, which also serves the embedding lookups) in `head`, the rest exact."""
+        return self.linear_bytes(weights, group_size) + self.other_params * self.dtype_bytes - self._head_saving(head, group_size)
+
+    def _head_saving(self, head: str, group_size: int) -> int:
+        """The bytes the output head saves held as `head` (int8, int4) rather than exact."""
+        if head == "exact":
+            return 0
+        p = self.vocab * self.hidden
+        return p * self.dtype_bytes - self.linear_bytes(head, group_size, p)
 
     def expert_fraction(self, positions: int = 1) -> float:
         """The share of a sparse layer's routed experts a pass of `positions` tokens reads:
@@ -76,16 +85,16 @@ class ModelShape:
             return 1.0
         return 1.0 - (1.0 - self.experts_per_tok / self.experts) ** max(1, positions)
 
-    def read_bytes(self, weights: str = "exact", group_size: int = 32, positions: int = 1) -> int:
+    def read_bytes(self, weights: str = "exact", group_size: int = 32, positions: int = 1, head: str = "exact") -> int:
         """The bytes a pass of `positions` tokens reads: every decoder matrix but the routed
-        experts, the experts its tokens route to, the norms and the head, and one embedding row
-        a token (a tied table is read whole, as the head)."""
+        experts, the experts its tokens route to, the norms and the head (in `head`), and one
+        embedding row a token (a tied table is read whole, as the head)."""
         dense = self.linear_params - self.expert_params
         linear = self.linear_bytes(weights, group_size, dense) \
             + int(self.linear_bytes(weights, group_size, self.expert_params) * self.expert_fraction(positions))
         table = 0 if self.tied_embeddings else self.vocab * self.hidden
         other = self.other_params - table + min(table, positions * self.hidden)
-        return linear + other * self.dtype_bytes
+        return linear + other * self.dtype_bytes - self._head_saving(head, group_size)
 
     def linear_bytes(self, weights: str = "exact", group_size: int = 32, params: int | None = None) -> int:
         p = self.linear_params if params is None else params

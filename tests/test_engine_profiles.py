@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import engine
 from engine.checkpoint import tensor_index
@@ -29,7 +30,7 @@ def test_quantized_profile_is_chosen_when_exact_does_not_fit(tiny_llama):
 
 def test_forced_int4_profile_loads_int4(tiny_llama):
     eng = engine.open(str(tiny_llama), device="cpu", profile="resident-int4", drafter="none")
-    assert eng.describe()["weights"] == "int4 g32"
+    assert eng.describe()["weights"] == "int4 g32, head int8"
 
 
 def test_self_drafter_is_a_quantized_copy_and_never_changes_the_answer(tiny_llama):
@@ -74,6 +75,30 @@ def test_a_user_profile_can_quantize_the_embeddings_too(tiny_llama, tmp_path):
         'name = "streamed-int4"\n[target]\nplacement = "streamed"\nweights = "int4"\n')
     with pytest.raises(engine.BadRequest, match="--profile streamed-int4: this version runs"):
         engine.open(str(tiny_llama), device="cpu", profile="streamed-int4", profile_dir=tmp_path)
+
+
+def test_the_head_is_int8_unless_a_profile_keeps_it_exact(tiny_llama, tmp_path):
+    """A quantized profile holds the output head (here tied: the table that serves the
+    lookups too) in int8 per channel; `head = "exact"` keeps it in the activation dtype.
+    The plan counts what is held, byte for byte in the head's difference."""
+    (tmp_path / "int4-exact-head.toml").write_text(
+        'name = "int4-exact-head"\nrank = 0\n[target]\nplacement = "resident"\nweights = "int4"\nhead = "exact"\n')
+    exact_head = engine.open(str(tiny_llama), device="cpu", profile="int4-exact-head", profile_dir=tmp_path,
+                             drafter="none", cache_dir=tmp_path / "cache")
+    int8_head = engine.open(str(tiny_llama), device="cpu", profile="resident-int4", drafter="none",
+                            cache_dir=tmp_path / "cache")
+    assert exact_head.describe()["weights"] == "int4 g32, head exact" and int8_head.target.quant.head == "int8"
+    held = exact_head.target.weight_bytes() - int8_head.target.weight_bytes()
+    planned = exact_head.plan.row("int4-exact-head").weights - int8_head.plan.row("resident-int4").weights
+    vocab, hidden = exact_head.target.impl.embed.shape
+    assert held == planned == vocab * hidden * 2 - (vocab * hidden + 2 * vocab)
+    with torch.inference_mode():
+        a, b = (e.target.forward(list(range(5, 30))) for e in (exact_head, int8_head))
+    assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.05 * float(a.std()))
+    (tmp_path / "int4-exact-head.toml").write_text(
+        'name = "int4-exact-head"\n[target]\nplacement = "resident"\nweights = "int4"\nhead = "int4"\n')
+    with pytest.raises(engine.BadRequest, match=r"int4-exact-head.toml.*\[target\] head"):
+        engine.open(str(tiny_llama), device="cpu", profile_dir=tmp_path)
 
 
 def test_loading_reports_progress_for_each_kind_of_target(tiny_llama):

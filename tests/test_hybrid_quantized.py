@@ -30,7 +30,8 @@ def _round_trip(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def dequantized_reference(path, fmt: str) -> ResidentTarget:
     """The exact model with each matrix the quantized target packs replaced by its
-    quantize->dequantize round trip (int4 keeps a matrix it cannot take, as the target does)."""
+    quantize->dequantize round trip (int4 keeps a matrix it cannot take, as the target does),
+    and the output head (a tied table with it) in int8."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -43,6 +44,7 @@ def dequantized_reference(path, fmt: str) -> ResidentTarget:
                     for e in range(m.gate_up_proj.shape[0]):     # quantization is per row: fusing changes nothing
                         m.gate_up_proj[e].copy_(_round_trip(m.gate_up_proj[e], fmt))
                         m.down_proj[e].copy_(_round_trip(m.down_proj[e], fmt))
+        model.lm_head.weight.copy_(_round_trip(model.lm_head.weight, "int8"))     # the head: int8 per channel
     return ResidentTarget(model, CPU, torch.float32)
 
 

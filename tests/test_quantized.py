@@ -117,8 +117,9 @@ def test_packed_int4_rows_read_back_for_every_block_shape():
 # ---------------------------------------------------------------- the quantized target
 
 def dequantized_reference(path, fmt: str):
-    """The exact forward over weights replaced by their quantize->dequantize round trip:
-    what the quantized target computes, in plain float32 arithmetic."""
+    """The exact forward over weights replaced by their quantize->dequantize round trip
+    (the layers in `fmt`, the head in int8): what the quantized target computes, in plain
+    float32 arithmetic."""
     from transformers import AutoModelForCausalLM
     from engine.targets.resident import ResidentTarget
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -127,6 +128,9 @@ def dequantized_reference(path, fmt: str):
             for lin in (*vars(layer.self_attn)["_modules"].values(), *vars(layer.mlp)["_modules"].values()):
                 if isinstance(lin, torch.nn.Linear):
                     lin.weight.copy_(qweights.dequantize(qweights.quantize(lin.weight, fmt, 32, torch.float32)))
+        # the head in int8 per channel (a tied table with it: its rows serve the lookups)
+        model.lm_head.weight.copy_(qweights.dequantize(qweights.quantize(model.lm_head.weight, "int8", 32,
+                                                                         torch.float32)))
     return ResidentTarget(model, CPU, torch.float32)
 
 
@@ -202,7 +206,7 @@ def test_cache_miss_then_hit_then_rebuilds_what_is_stale_or_broken(tiny_llama, t
     assert not first.quant.cache_hit
     want = first.forward(ids, all_logits=True)
     cache_dir = first.quant.cache_dir
-    assert cache_dir.parent == tmp_path / "quantized" and cache_dir.name.endswith("-int4-g32-" + str(first.dtype)[6:])
+    assert cache_dir.parent == tmp_path / "quantized" and cache_dir.name.endswith("-int4-g32-" + str(first.dtype)[6:] + "-head8")
 
     hit = load(tiny_llama, tmp_path, "int4")
     assert hit.quant.cache_hit and torch.equal(hit.forward(ids, all_logits=True), want)

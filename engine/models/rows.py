@@ -50,7 +50,9 @@ def check(widths_in: list[tuple[int, int]], dtype: torch.dtype, device: torch.de
     """(in, out) shapes of the dense matrices a forward multiplies by, in `dtype`."""
     key = (tuple(sorted(set(widths_in))), dtype, str(device), torch.get_num_threads())
     if key not in _cache:
-        if device.type == "cpu" and key[0] and row_kernel.available(dtype):
+        # (no dense matrix at all, every one packed: the passes are the packed kernels' and the
+        # C layers', and those compute lone rows too)
+        if device.type == "cpu" and row_kernel.available(dtype):
             _cache[key] = RowCheck(False, True, "one-token steps and verify passes run localchat's row kernel, "
                                    "which computes every row as a one-token step does", kernel=True)
         else:

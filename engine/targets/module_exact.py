@@ -99,8 +99,7 @@ def load_mtp(path: Path, text_model: nn.Module, cfg, device: torch.device, dtype
     block = layer.model.layers[0]
     experts = dict(_experts(block))
     if weights in ("int8", "int4"):
-        pack_layer(block, quantize_layer(block, "mtp.layers.0.", src, weights, group, dtype), device, dtype,
-                   weights, group)
+        pack_layer(block, quantize_layer(block, "mtp.layers.0.", src, weights, group, dtype), device, dtype, group)
         experts = {}
     for name, m in experts.items():
         at = f"mtp.layers.0.{name}"

@@ -195,25 +195,17 @@ def quantize_layer(layer: nn.Module, prefix: str, src: ModuleSource, fmt: str, g
 
 
 def quantize_rest(model: nn.Module, src: ModuleSource, fmt: str, group: int, act_dtype,
-                  embeddings: bool) -> dict[str, torch.Tensor]:
+                  embeddings: bool, head: str) -> dict[str, torch.Tensor]:
     # the final norm (LFM2: model.embedding_norm) and anything else outside the layers
     out = {f"p|{n}": src.rows(n).float() for n, _ in model.named_parameters()
            if not n.startswith("model.layers.") and n not in ("model.embed_tokens.weight", "lm_head.weight")}
-    tables = {"embed": "model.embed_tokens.weight"}
-    if not _tied(model, src):
-        tables["head"] = "lm_head.weight"
-    for field, name in tables.items():
-        if embeddings:
-            out.update({f"q|{field}|{k}": v for k, v in src.quantized(name, fmt, group, act_dtype).items()})
+    tables = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight"}
+    for field, held in qweights.table_formats(fmt, embeddings, head, _tied(model, src)).items():
+        if held:
+            out.update({f"q|{field}|{k}": v for k, v in src.quantized(tables[field], held, group, act_dtype).items()})
         else:
-            out[f"p|{field}"] = src.rows(name)
+            out[f"p|{field}"] = src.rows(tables[field])
     return out
-
-
-def _packed(c: dict, device, act_dtype, fmt: str, group: int):
-    if fmt == "int8":
-        return qweights.Int8Weight(c, device, act_dtype)
-    return qweights.Int4Weight(c, device, act_dtype, group)
 
 
 def _groups(flat: dict[str, torch.Tensor], tag: str) -> dict[tuple, dict[str, torch.Tensor]]:
@@ -234,14 +226,14 @@ def _set(root: nn.Module, dotted: str, value: nn.Module | torch.Tensor) -> None:
         mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)
 
 
-def pack_layer(layer: nn.Module, flat: dict[str, torch.Tensor], device, act_dtype, fmt: str, group: int) -> None:
+def pack_layer(layer: nn.Module, flat: dict[str, torch.Tensor], device, act_dtype, group: int | None) -> None:
     """Fill a meta decoder layer from its canonical form: packed linears and experts, the
     other parameters on the device in the activation dtype."""
     for (name,), c in _groups(flat, "q").items():
-        _set(layer, name, PackedLinear(_packed(c, device, act_dtype, fmt, group), None))
+        _set(layer, name, PackedLinear(qweights.packed(c, device, act_dtype, group), None))
     experts: dict[str, dict[int, dict]] = {}
     for (name, e, which), c in _groups(flat, "x").items():
-        experts.setdefault(name, {}).setdefault(int(e), {})[which] = _packed(c, device, act_dtype, fmt, group)
+        experts.setdefault(name, {}).setdefault(int(e), {})[which] = qweights.packed(c, device, act_dtype, group)
     for name, by_e in experts.items():
         order = [by_e[e] for e in sorted(by_e)]
         _set(layer, name, PackedExperts(layer.get_submodule(name), [w["gate_up"] for w in order],
@@ -251,19 +243,19 @@ def pack_layer(layer: nn.Module, flat: dict[str, torch.Tensor], device, act_dtyp
             _set(layer, k[2:], v.to(device, act_dtype))
 
 
-def pack_rest(model: nn.Module, flat: dict[str, torch.Tensor], device, act_dtype, fmt: str, group: int) -> None:
+def pack_rest(model: nn.Module, flat: dict[str, torch.Tensor], device, act_dtype, group: int | None) -> None:
     for k, v in flat.items():
         if k.startswith("p|") and k not in ("p|embed", "p|head"):
             _set(model, k[2:], v.to(device, act_dtype))
     q = _groups(flat, "q")
     if ("embed",) in q:
-        embed = _packed(q[("embed",)], device, act_dtype, fmt, group)
+        embed = qweights.packed(q[("embed",)], device, act_dtype, group)
         model.model.embed_tokens = PackedEmbedding(embed)
     else:
         embed = flat["p|embed"].to(device, act_dtype)
         _set(model, "model.embed_tokens.weight", embed)
     if ("head",) in q:
-        model.lm_head = PackedLinear(_packed(q[("head",)], device, act_dtype, fmt, group), None)
+        model.lm_head = PackedLinear(qweights.packed(q[("head",)], device, act_dtype, group), None)
     elif "p|head" in flat:
         _set(model, "lm_head.weight", flat["p|head"].to(device, act_dtype))
     elif isinstance(embed, torch.Tensor):            # tied, kept dense: one table for both
@@ -295,7 +287,7 @@ def _read_layer(cache: QuantCache, name: str, manifest: dict, mapped: bool) -> d
 
 
 def load(path: Path, cfg, device: torch.device, fmt: str, group: int, act_dtype: torch.dtype,
-         cache: QuantCache, embeddings: bool, progress, mapped_experts: bool = False) -> tuple[nn.Module, bool]:
+         cache: QuantCache, embeddings: bool, head: str, progress, mapped_experts: bool = False) -> tuple[nn.Module, bool]:
     """The quantized model (modules filled, on the device) and whether the cache served it.
     A first load quantizes into the cache, one layer in memory at a time, then packs the model
     from what it wrote (checked as any later load checks it). `mapped_experts` (a mixture whose
@@ -303,13 +295,13 @@ def load(path: Path, cfg, device: torch.device, fmt: str, group: int, act_dtype:
     cache's files, read on demand."""
     mapped = mapped_experts and device.type == "cpu"
     manifest = cache.manifest()
-    model = _from_cache(path, cfg, device, fmt, group, act_dtype, cache, manifest, mapped, progress) \
+    model = _from_cache(path, cfg, device, group, act_dtype, cache, manifest, mapped, progress) \
         if manifest is not None else None
     if model is not None:
         return model, True
-    _quantize_into(cache, skeleton(path, cfg), path, fmt, group, act_dtype, embeddings, progress)
+    _quantize_into(cache, skeleton(path, cfg), path, fmt, group, act_dtype, embeddings, head, progress)
     manifest = cache.manifest()
-    model = _from_cache(path, cfg, device, fmt, group, act_dtype, cache, manifest, mapped, progress) \
+    model = _from_cache(path, cfg, device, group, act_dtype, cache, manifest, mapped, progress) \
         if manifest is not None else None
     if model is None:
         raise CheckpointError(f"{cache.dir}: the quantized weights just written cannot be read back; "
@@ -317,7 +309,7 @@ def load(path: Path, cfg, device: torch.device, fmt: str, group: int, act_dtype:
     return model, False
 
 
-def _from_cache(path: Path, cfg, device, fmt: str, group: int, act_dtype, cache: QuantCache, manifest: dict,
+def _from_cache(path: Path, cfg, device, group: int, act_dtype, cache: QuantCache, manifest: dict,
                 mapped: bool, progress) -> nn.Module | None:
     """The model packed from the cache; None where a file is missing, truncated or corrupt."""
     model = skeleton(path, cfg)
@@ -327,19 +319,19 @@ def _from_cache(path: Path, cfg, device, fmt: str, group: int, act_dtype, cache:
         flat = _read_layer(cache, f"layer-{i:04d}", manifest, mapped)
         if flat is None:
             return None
-        pack_layer(layers[i], flat, device, act_dtype, fmt, group)
+        pack_layer(layers[i], flat, device, act_dtype, group)
         progress("load", i + 1, n + 1)
     rest = cache.read("rest", manifest)
     if rest is None:
         return None
-    pack_rest(model, rest, device, act_dtype, fmt, group)
+    pack_rest(model, rest, device, act_dtype, group)
     progress("load", n + 1, n + 1)
     finish(model, cfg, device)
     return model
 
 
 def _quantize_into(cache: QuantCache, model: nn.Module, path: Path, fmt: str, group: int, act_dtype,
-                   embeddings: bool, progress) -> None:
+                   embeddings: bool, head: str, progress) -> None:
     """Quantize the checkpoint into the cache, one layer in memory at a time."""
     src = ModuleSource(path)
     layers = model.model.layers
@@ -349,7 +341,7 @@ def _quantize_into(cache: QuantCache, model: nn.Module, path: Path, fmt: str, gr
         for i in range(n):
             writer.write(f"layer-{i:04d}", quantize_layer(layers[i], f"model.layers.{i}.", src, fmt, group, act_dtype))
             progress("quantize", i + 1, n + 1)
-        writer.write("rest", quantize_rest(model, src, fmt, group, act_dtype, embeddings))
+        writer.write("rest", quantize_rest(model, src, fmt, group, act_dtype, embeddings, head))
         writer.commit()
     except BaseException:
         writer.abort()

@@ -42,12 +42,14 @@ def source_identity(path: Path) -> str:
     return h.hexdigest()
 
 
-def cache_path(root: Path, model: Path, fmt: str, group: int, act_dtype: torch.dtype, embeddings: bool) -> Path:
+def cache_path(root: Path, model: Path, fmt: str, group: int, act_dtype: torch.dtype, embeddings: bool,
+               head: str = "exact") -> Path:
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", model.name)[:48] or "model"
     where = hashlib.sha256(str(model.resolve()).encode()).hexdigest()[:12]
     grouping = f"g{group}" if fmt == "int4" else "perchannel"
     dtype = str(act_dtype).replace("torch.", "")
-    return root / "quantized" / f"{name}-{where}-{fmt}-{grouping}-{dtype}{'-embq' if embeddings else ''}"
+    tables = "-embq" if embeddings else "-head8" if head == "int8" else ""
+    return root / "quantized" / f"{name}-{where}-{fmt}-{grouping}-{dtype}{tables}"
 
 
 class QuantCache:

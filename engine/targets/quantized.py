@@ -9,9 +9,10 @@ quantizes in about one layer's worth of host memory on top of its quantized outp
 second start reads the cache (qcache.py) and skips the source weights entirely.
 
 The forward is the Llama-family fast forward, unchanged: `_linear` hands a packed weight
-its own kernel. Embeddings and head stay in the activation dtype unless
-`embeddings=True`, which quantizes them like the layers (a tied head then also serves
-the embedding lookups, so nothing is stored twice).
+its own kernel. The output head is held in int8 per channel (`head="exact"` keeps it in
+the activation dtype; a tied table goes with it and serves the embedding lookups, so
+nothing is stored twice); an untied embedding table stays in the activation dtype.
+`embeddings=True` quantizes both like the layers (qweights.table_formats).
 """
 from __future__ import annotations
 
@@ -49,13 +50,14 @@ class QuantInfo:
     """What was loaded and how: for `localchat doctor`, the stats line and the benchmarks."""
     weights: str                 # int8 | int4
     group_size: int | None       # None for int8 (per output channel)
-    embeddings: bool             # embeddings/head quantized too
+    embeddings: bool             # embeddings/head quantized as the layers
     act_dtype: torch.dtype
     cache_dir: Path
     cache_hit: bool
     load_seconds: float
     int8_kernel: bool            # False: the dequantize-and-multiply fallback runs
     int4_kernel: bool
+    head: str = "exact"          # how the output head is held: int8, int4 or exact
 
 
 class QuantizedForward(llama_family.LlamaFamilyForward):
@@ -113,14 +115,14 @@ class QuantizedTarget(ResidentTarget):
 
 def load_quantized(path: Path, device: torch.device, weights: str, group_size: int = 32,
                    act_dtype: torch.dtype | None = None, cache_dir: Path | None = None, progress=None,
-                   embeddings: bool = False, experts_in_memory: int | None = None,
+                   embeddings: bool = False, head: str = "int8", experts_in_memory: int | None = None,
                    routing_texts: list[list[int]] | None = None) -> QuantizedTarget:
     """Quantize the checkpoint at `path` (or load its cached quantized copy) onto `device`.
 
     weights: int8 (per output channel) | int4 (group-wise, `group_size` along the input).
     act_dtype: default bfloat16 where the device has native bf16, else float32 (CPU) or
-    float16 (GPU). embeddings: quantize embeddings and head too (default: keep them in
-    act_dtype). progress(what, done, total) is called per layer. experts_in_memory (a
+    float16 (GPU). head: the output head in int8 (default) or "exact" (act_dtype).
+    embeddings: quantize embeddings and head as the layers. progress(what, done, total) is called per layer. experts_in_memory (a
     mixture on a CPU whose experts do not all fit): its experts stay memory-mapped from the
     cache's files (module_quant.load) but for this many bytes of them, the most used first
     (routing.py: counts kept per model, measured on `routing_texts` where there are none)."""
@@ -128,16 +130,19 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
     path = Path(path)
     if weights not in FORMATS:
         raise BadRequest(f"--weights {weights}: use one of {', '.join(FORMATS)} for a quantized target")
+    if head not in ("int8", "exact"):
+        raise BadRequest(f"head {head!r}: use int8 or exact")
+    head = weights if embeddings else head
     device = torch.device(device)
     act_dtype = act_dtype or lc_kernels.default_dtype(device, torch.bfloat16)
     cfg, skeleton, why_not = _skeleton(path)
     group = group_size if weights == "int4" else None
     settings = {"source": source_identity(path), "weights": weights, "group": group,
-                "act_dtype": str(act_dtype), "embeddings": embeddings}
+                "act_dtype": str(act_dtype), "embeddings": embeddings, "head": head}
     if why_not is not None:
         settings["layout"] = "modules"          # a cache of the other layout is not this one's
     cache = QuantCache(cache_path(Path(cache_dir) if cache_dir else default_cache_dir(), path, weights,
-                                  group_size, act_dtype, embeddings), settings)
+                                  group_size, act_dtype, embeddings, head), settings)
     progress = progress or (lambda what, done, total: None)
     kernels = (qweights._int8_kernel_works(device, act_dtype), qweights._int4_kernel_works(device, act_dtype))
     if why_not is not None:
@@ -145,21 +150,23 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
         # transformers' modules over packed weights (module_quant.py).
         mapped = experts_in_memory is not None and device.type == "cpu"
         model, hit = module_quant.load(path, cfg, device, weights, group_size, act_dtype, cache, embeddings,
-                                       progress, mapped)
+                                       head, progress, mapped)
         placed = _keep_experts(model, path, Path(cache_dir) if cache_dir else default_cache_dir(),
                                experts_in_memory, routing_texts) if mapped else ""
-        info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels)
+        info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels,
+                         head=head)
         target = QuantizedTarget.over_modules(model, device, act_dtype, info)
         target.experts_placement = placed
     else:
         src = _Source(path, cfg)
-        _check_shapes(src, weights, group_size, embeddings)
-        parts = _load_cached(cache, cfg, device, act_dtype, weights, group_size, progress)
+        _check_shapes(src, weights, group_size, head == "int4")
+        parts = _load_cached(cache, cfg, device, act_dtype, group, progress)
         hit = parts is not None
         if not hit:
-            parts = quantize_checkpoint(src, cache, device, act_dtype, weights, group_size, embeddings, progress)
+            parts = quantize_checkpoint(src, cache, device, act_dtype, weights, group_size, embeddings, head, progress)
         rotary = type(skeleton.model.rotary_emb)(config=cfg).to(device)
-        info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels)
+        info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels,
+                         head=head)
         target = QuantizedTarget(cfg, device, act_dtype,
                                  dict(parts, rotary=rotary, scaling=skeleton.model.layers[0].self_attn.scaling), info)
     return target
@@ -212,13 +219,13 @@ class _Source(module_quant.ModuleSource):
         return out
 
 
-def _check_shapes(src: _Source, fmt: str, group: int, embeddings: bool) -> None:
+def _check_shapes(src: _Source, fmt: str, group: int, table: bool) -> None:
     """int4 needs a group that divides every quantized matrix's input width: refuse up
     front, naming the matrix and the group sizes that would work, rather than skip one."""
     if fmt != "int4":
         return
     names = [f"model.layers.{i}.{m}.weight" for i in range(src.layers) for ms in LINEARS.values() for m in ms]
-    if embeddings:
+    if table:                   # the head (or the tied table) in int4 too
         names.append("model.embed_tokens.weight" if src.tied else "lm_head.weight")
     for name in names:
         N, K = src.entry(name).shape
@@ -233,7 +240,7 @@ def _check_shapes(src: _Source, fmt: str, group: int, embeddings: bool) -> None:
 # ---------------------------------------------------------------- quantize (cache miss) and load (hit)
 
 def quantize_checkpoint(src: _Source, cache: QuantCache, device: torch.device, act_dtype: torch.dtype,
-                        fmt: str, group: int, embeddings: bool, progress) -> dict:
+                        fmt: str, group: int, embeddings: bool, head: str, progress) -> dict:
     """Layer by layer: read, quantize, write to the cache, pack for the device."""
     writer = cache.writer()
     try:
@@ -241,12 +248,12 @@ def quantize_checkpoint(src: _Source, cache: QuantCache, device: torch.device, a
         for i in range(src.layers):
             canonical = _quantize_layer(src, i, fmt, group, act_dtype)
             writer.write(f"layer-{i:04d}", canonical)
-            layers.append(_pack_layer(canonical, device, act_dtype, fmt, group))
+            layers.append(_pack_layer(canonical, device, act_dtype, group))
             del canonical
             progress("quantize", i + 1, src.layers + 1)
-        rest = _quantize_rest(src, fmt, group, act_dtype, embeddings)
+        rest = _quantize_rest(src, fmt, group, act_dtype, embeddings, head)
         writer.write("rest", rest)
-        out = dict(_pack_rest(rest, device, act_dtype, fmt, group), layers=layers)
+        out = dict(_pack_rest(rest, device, act_dtype, group), layers=layers)
         progress("quantize", src.layers + 1, src.layers + 1)
         writer.commit()
         return out
@@ -255,7 +262,7 @@ def quantize_checkpoint(src: _Source, cache: QuantCache, device: torch.device, a
         raise
 
 
-def _load_cached(cache: QuantCache, cfg, device, act_dtype, fmt, group, progress) -> dict | None:
+def _load_cached(cache: QuantCache, cfg, device, act_dtype, group, progress) -> dict | None:
     manifest = cache.manifest()
     if manifest is None:
         return None
@@ -265,13 +272,13 @@ def _load_cached(cache: QuantCache, cfg, device, act_dtype, fmt, group, progress
         canonical = cache.read(f"layer-{i:04d}", manifest)
         if canonical is None:
             return None            # truncated or corrupt: the caller rebuilds the whole cache
-        layers.append(_pack_layer(canonical, device, act_dtype, fmt, group))
+        layers.append(_pack_layer(canonical, device, act_dtype, group))
         progress("load", i + 1, n + 1)
     rest = cache.read("rest", manifest)
     if rest is None:
         return None
     progress("load", n + 1, n + 1)
-    return dict(_pack_rest(rest, device, act_dtype, fmt, group), layers=layers)
+    return dict(_pack_rest(rest, device, act_dtype, group), layers=layers)
 
 
 def _quantize_layer(src: _Source, i: int, fmt: str, group: int, act_dtype) -> dict[str, torch.Tensor]:
@@ -289,16 +296,15 @@ def _quantize_layer(src: _Source, i: int, fmt: str, group: int, act_dtype) -> di
     return out
 
 
-def _quantize_rest(src: _Source, fmt: str, group: int, act_dtype, embeddings: bool) -> dict[str, torch.Tensor]:
+def _quantize_rest(src: _Source, fmt: str, group: int, act_dtype, embeddings: bool,
+                   head: str) -> dict[str, torch.Tensor]:
     out = {"norm": src.rows("model.norm.weight").float()}
-    tables = {"embed": "model.embed_tokens.weight"}
-    if not src.tied:
-        tables["head"] = "lm_head.weight"
-    for field, name in tables.items():
-        if embeddings:
-            out.update({f"{field}.{k}": v for k, v in src.quantized(name, fmt, group, act_dtype).items()})
+    tables = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight"}
+    for field, held in qweights.table_formats(fmt, embeddings, head, src.tied).items():
+        if held:
+            out.update({f"{field}.{k}": v for k, v in src.quantized(tables[field], held, group, act_dtype).items()})
         else:
-            out[field] = src.converted(name, act_dtype)
+            out[field] = src.converted(tables[field], act_dtype)
     return out
 
 
@@ -307,24 +313,18 @@ def _unflatten(flat: dict[str, torch.Tensor], field: str) -> dict[str, torch.Ten
     return c or None
 
 
-def _packed(c: dict[str, torch.Tensor], device, act_dtype, fmt: str, group: int):
-    if fmt == "int8":
-        return qweights.Int8Weight(c, device, act_dtype)
-    return qweights.Int4Weight(c, device, act_dtype, group)
-
-
-def _pack_layer(flat: dict[str, torch.Tensor], device, act_dtype, fmt: str, group: int) -> llama_family.LayerWeights:
+def _pack_layer(flat: dict[str, torch.Tensor], device, act_dtype, group: int | None) -> llama_family.LayerWeights:
     plain = {k: (flat[k].to(device, act_dtype) if k in flat else None) for k in (*PLAIN, "qkv_bias")}
-    linear = {f: _packed(_unflatten(flat, f), device, act_dtype, fmt, group) for f in LINEARS}
+    linear = {f: qweights.packed(_unflatten(flat, f), device, act_dtype, group) for f in LINEARS}
     return llama_family.LayerWeights(**linear, **plain)
 
 
-def _pack_rest(flat: dict[str, torch.Tensor], device, act_dtype, fmt: str, group: int) -> dict:
+def _pack_rest(flat: dict[str, torch.Tensor], device, act_dtype, group: int | None) -> dict:
     def table(field: str):
         if field in flat:
             return flat[field].to(device, act_dtype)
         c = _unflatten(flat, field)
-        return None if c is None else _packed(c, device, act_dtype, fmt, group)
+        return None if c is None else qweights.packed(c, device, act_dtype, group)
     embed = table("embed")
     head = table("head")
     if head is None:                       # tied: the embedding table is the head

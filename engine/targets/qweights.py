@@ -130,6 +130,23 @@ def int4_problem(N: int, K: int, group: int) -> str | None:
     return None
 
 
+def table_formats(fmt: str, embeddings: bool, head: str, tied: bool) -> dict[str, str | None]:
+    """The format each table outside the layers is held in (None: the activation dtype).
+    With `embeddings`, both as the layers. Else the output head in `head` (int8 or exact):
+    every token reads it whole, the largest matrix of many models, and int8 per channel
+    keeps its logits within a fraction of a percent; a tied table goes with it (it is the
+    head, and its rows serve the lookups), an untied embedding table stays exact (a token
+    reads one row of it)."""
+    if embeddings:
+        out = {"embed": fmt, "head": fmt}
+    else:
+        held = None if head == "exact" else head
+        out = {"embed": held if tied else None, "head": held}
+    if tied:
+        del out["head"]
+    return out
+
+
 # ---------------------------------------------------------------- packed weights (what the forward holds)
 
 def _reused(N: int, K: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -139,8 +156,16 @@ def _reused(N: int, K: int, dtype: torch.dtype, device: torch.device) -> torch.T
     more than its products."""
     buf = getattr(_dense_buf, "t", None)
     if buf is None or buf.numel() < N * K or buf.dtype != dtype or buf.device != device:
-        buf = _dense_buf.t = torch.empty(N * K, dtype=dtype, device=device)
+        with torch.inference_mode(False):     # a normal tensor: in place inside inference mode or out of it
+            buf = _dense_buf.t = torch.empty(N * K, dtype=dtype, device=device)
     return buf[:N * K].view(N, K)
+
+
+def packed(c: dict[str, torch.Tensor], device: torch.device, act_dtype: torch.dtype, group: int | None):
+    """The packed weight of a canonical form, by its format (int4's carries zero points)."""
+    if "zero" in c:
+        return Int4Weight(c, device, act_dtype, group)
+    return Int8Weight(c, device, act_dtype)
 
 
 class Int8Weight:
