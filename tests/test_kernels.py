@@ -233,6 +233,14 @@ def test_int4_dequantized_for_a_prefill_is_the_definition_rounded_once(N, K, gro
     assert ((got.float() - w.to(torch.bfloat16).float()).abs() <= 2 ** -7 * w.abs()).all()
 
 
+def test_int8_dequantized_for_a_prefill_is_torchs_bits():
+    # a code times a bf16 scale is exact in float32, so one rounding to bf16 gives the very
+    # bits torch's q.to(bf16) * scale gives
+    c, _, _ = _int8(960, 576, 1, 9, torch.bfloat16)
+    got = q8_kernel.dequantize(c["q"], c["scale"], torch.empty(960, 576, dtype=torch.bfloat16))
+    assert torch.equal(got, c["q"].to(torch.bfloat16) * c["scale"][:, None])
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_prefills_bf16_product_is_right_in_either_form(bias):
     # torch's bf16 GEMM where the CPU has bf16 instructions, else float32's over the weight
@@ -252,8 +260,8 @@ def test_a_prefills_bf16_product_is_right_in_either_form(bias):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("M", [20, 100])
 def test_a_quantized_prefill_product_is_the_definition_in_either_form(kind, M):
-    # a prefill (lone_rows=False) of bf16 rows: aten's int8 kernel, q4.c's dequantization
-    # and torch's bf16 GEMM where the CPU has bf16 instructions; else the weight dequantized
+    # a prefill (lone_rows=False) of bf16 rows: q8.c's or q4.c's dequantization and
+    # torch's bf16 GEMM where the CPU has bf16 instructions; else the weight dequantized
     # block by block in float32 (engine/kernels/gemm.py); within bf16 rounding of float64's
     from engine.targets import qweights
     N, K = 2 * (gemm.BLOCK // 1536) + 40, 1536

@@ -102,3 +102,16 @@ void linear_q8_f32(const float *x, int64_t ldx, const int8_t *q, const float *sc
     Q8_DRIVE(Q8_PUT_F32)
 #undef Q8_PUT_F32
 }
+
+/* w [N, K] bf16: the definition's weights, q * scale rounded once (the product of a code
+ * and a bf16 scale is exact in float32, so these are the bits torch's q.to(bf16) * scale
+ * gives), in one pass over the codes: what a prefill multiplies by with torch's GEMM. */
+void dequant_q8_bf16(const int8_t *q, const uint16_t *scale, uint16_t *w, int N, int K, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int n = 0; n < N; n++) {
+        const int8_t *qr = q + (int64_t)n * K;
+        uint16_t *wr = w + (int64_t)n * K;
+        const float s = from_bf16(scale[n]);
+        for (int k = 0; k < K; k++) wr[k] = to_bf16((float)qr[k] * s);
+    }
+}

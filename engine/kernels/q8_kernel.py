@@ -23,7 +23,7 @@ from . import row_kernel
 SOURCE = "q8"
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
-_fns: dict[torch.dtype, tuple] = {}
+_fns: dict = {}                   # dtype -> (linear, scratch size); "dequant" -> dequant_q8_bf16
 _state: list[str] = []
 _scratch = threading.local()          # a buffer per thread: engines on two threads never share one
 
@@ -51,6 +51,9 @@ def _load() -> str:
         fn.restype = None
         fn.argtypes = [P, I64, P, P, P, P, I64, I, I, I, P, I]
         _fns[dtype] = (fn, size)
+    lib.dequant_q8_bf16.restype = None
+    lib.dequant_q8_bf16.argtypes = [P, P, P, I, I, I]
+    _fns["dequant"] = lib.dequant_q8_bf16
     # As the row kernel does: its products against float64's before first use.
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-128, 128, (48, 200), generator=g, dtype=torch.int8)
@@ -79,3 +82,11 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     fn(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), bias.data_ptr() if bias is not None else None,
        y.data_ptr(), N, M, N, K, buf.data_ptr(), torch.get_num_threads())
     return y
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The [N, K] bf16 weights of per-channel int8 (q * scale, rounded once) into `out`
+    (contiguous [N, K] bf16); q and scale (bf16) contiguous."""
+    N, K = q.shape
+    _fns["dequant"](q.data_ptr(), scale.data_ptr(), out.data_ptr(), N, K, torch.get_num_threads())
+    return out

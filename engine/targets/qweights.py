@@ -42,10 +42,10 @@ INT4_GROUPS = (32, 64, 128, 256)   # what the aten int4 kernels accept
 # GEMM. Decode steps and verify passes (at most 65 rows: max_draft <= 64) stay on the
 # kernel, so each row of a verify pass gets exactly what a one-token step gives it.
 GEMM_ROWS = 80
-# An int4 prefill (whose rows need not be lone rows) of more rows than this dequantizes in
-# C and runs torch's GEMM: on Qwen3-1.7B's matrices that is 2.5 against q4.c's 3.1 ms at 16
-# rows, 3.1 against 7.3 at 44 (and 7.8 against 35 ms at 200 rows for the dequantization in
-# torch it replaced); q4.c wins up to about 8.
+# An int4 or int8 prefill (whose rows need not be lone rows) of more rows than this
+# dequantizes in C and runs torch's GEMM. int4 on Qwen3-1.7B's matrices: 2.5 against q4.c's
+# 3.1 ms at 16 rows, 3.1 against 7.3 at 44 (and 7.8 against 35 ms at 200 rows for the
+# dequantization in torch it replaced); q4.c wins up to about 8. int8: Int8Weight.mm.
 PREFILL_KERNEL_ROWS = 12
 _dense_buf = threading.local()       # _reused's buffer, one per thread
 _CHUNK = 1 << 20                   # elements quantized at once: bounds the float32 temporaries
@@ -182,14 +182,20 @@ class Int8Weight:
 
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, lone_rows: bool = True) -> torch.Tensor:
         """lone_rows: a step or a verify pass, whose rows must each be computed as a lone
-        row is (every kernel here does that); a prefill passes False and, where aten's
-        kernel runs, takes it: q8.c is a matrix-vector kernel, slower at tens of rows."""
+        row is (every kernel here does that); a prefill passes False, and one of more than
+        PREFILL_KERNEL_ROWS rows takes the weight dequantized in C and torch's GEMM: on the
+        matrices of Qwen3.5-35B-A3B's shape that took 5.7 against aten's int8 kernel's 9.6 ms
+        and q8.c's 18.7 at 44 rows (a tie at 16: q8.c is a matrix-vector kernel)."""
         if not lone_rows and gemm.widens(x):
             scale = self.scale.float()
             return gemm.blocks(x, self.shape[0], lambda n0, n1, out: out.copy_(self.q[n0:n1]).mul_(scale[n0:n1, None]),
                                bias)
-        if x.shape[0] > GEMM_ROWS:
-            y = torch.mm(x, self._dense_reused(x.dtype).t())
+        if x.shape[0] > (GEMM_ROWS if lone_rows else PREFILL_KERNEL_ROWS):
+            if self.own_kernel and x.dtype == self.scale.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+                w = q8_kernel.dequantize(self.q, self.scale, _reused(*self.shape, torch.bfloat16, x.device))
+            else:
+                w = self._dense_reused(x.dtype)
+            return torch.mm(x, w.t()) if bias is None else torch.addmm(bias.to(x.dtype), x, w.t())
         elif (self.own_kernel and (lone_rows or not self.kernel) and x.dtype == self.scale.dtype
               and not torch.compiler.is_compiling()):
             b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
