@@ -74,49 +74,52 @@ def test_setup_recommends_what_decodes_at_a_usable_speed_on_a_2_core_cpu():
     engine's step reaches), a token must read at most 3.75 GB to reach 10 tok/s. By hand,
     from the Qwen3 configs: Qwen3-4B's decoder linears are 36 x (2560x4096 + 2x2560x1024 +
     4096x2560 + 3x2560x9728) = 3.634e9 weights, in int4 3.634e9/2 + 4 x 3.634e9/32 (bf16
-    scale and zero per 32) = 2.27 GB, plus the tied embedding 151936 x 2560 in bf16 =
-    0.78 GB: 3.05 GB, bound 16.4 tok/s, expected 12.3. In int8 it is 4.41 GB (8.5 expected)
-    and exact bf16 8.04 GB (4.7): too slow. Qwen3-8B in int4: 36 x 192.9e6 = 6.946e9
-    weights -> 4.34 GB, plus its head 1.24 GB and one row of its untied embedding = 5.59 GB:
-    6.7, too slow.
+    scale and zero per 32) = 2.27 GB, plus the tied embedding 151936 x 2560 held as the head,
+    in int8 with a bf16 scale a row (0.389e9 + 0.3e6) = 0.389 GB: 2.66 GB, bound 18.8 tok/s,
+    expected 14.1. Exact bf16 it is 8.04 GB (4.7): too slow. Qwen3-8B in int4: 36 x 192.9e6
+    = 6.946e9 weights -> 4.34 GB, plus its head 151936 x 4096 in int8 (0.622 GB) and one
+    row of its untied bf16 embedding = 4.96 GB: 10.1 bound, 7.6 expected, too slow.
 
     The mixture Qwen3.5-35B-A3B is the largest model that is fast enough: a token reads its
     top 8 of 256 experts. Its decoder matrices are 33.621e9 weights, of which the routed
     experts are 40 layers x 256 x 3 x 2048 x 512 = 32.212e9: in int4 the other 1.409e9 are
     0.881 GB, the experts read 8/256 x 32.212e9 x 0.625 = 0.629 GB; the rest (head 248320 x
     2048, router, shared-expert gates, norms, conv kernels: 1.039e9 less the embedding table
-    but one row) 1.061 GB in bf16: 2.571 GB, bound 19.4 tok/s, expected 14.6, while all its
-    int4 weights (23.1 GB) fit in the 25 GB."""
+    but one row) 1.061 GB in bf16: 2.571 GB; the head in int8 (508.6e6 + 2 x 248320 bytes
+    instead of 2 x 508.6e6) saves 0.508 GB: 2.063 GB, bound 24.2 tok/s, expected 18.2, while
+    all its int4 weights (22.6 GB) fit in the 25 GB."""
     cpu = hardware.Hardware((), 25 * GB, 25 * GB, 500 * GB, "/", "EPYC", 2, True, "cpu", 25 * GB, ("vram",))
     opts, rec = _options(cpu, {"cpu": 50e9})
     assert (rec.model.key, rec.profile) == ("Qwen/Qwen3.5-35B-A3B", "resident-int4")
-    assert rec.tps == pytest.approx(50e9 / 2.571e9, rel=0.01)
+    assert rec.tps == pytest.approx(50e9 / 2.063e9, rel=0.01)
     assert opts["Qwen/Qwen3-4B"].profile == "resident-int4" and opts["Qwen/Qwen3-4B"].usable
-    assert opts["Qwen/Qwen3-4B"].tps == pytest.approx(50e9 / 3.05e9, rel=0.01)
+    assert opts["Qwen/Qwen3-4B"].tps == pytest.approx(50e9 / 2.66e9, rel=0.01)
     assert opts["Qwen/Qwen3-4B"].auto == "resident-exact"          # so setup writes the profile down
-    assert not opts["Qwen/Qwen3-8B"].usable and opts["Qwen/Qwen3-8B"].tps == pytest.approx(50e9 / 5.59e9, rel=0.01)
+    assert not opts["Qwen/Qwen3-8B"].usable and opts["Qwen/Qwen3-8B"].tps == pytest.approx(50e9 / 4.96e9, rel=0.01)
     assert not opts["Qwen/Qwen3-14B"].usable
 
 
 def test_setup_recommends_what_decodes_at_a_usable_speed_on_a_12gb_gpu():
-    """12 GB at 360 GB/s (a consumer card): Qwen3-8B in int8 is 9.44 GB of weights (1 byte
-    a weight + a bf16 scale a row, embeddings bf16) + 1.34 GB of KV for 8192 tokens: it
-    fits, bound 360/9.44 = 38 tok/s (28.6 expected). Qwen3-14B even in int4 (11.4 GB) does
-    not fit beside its KV, and streamed it reads at disk speed. Exact bf16 Qwen3-4B
-    (8.04 GB) fits. Qwen3-8B's token reads 9.44 GB less its untied embedding table but one row
-    (151936 x 4096 x 2 = 1.245 GB): 8.19 GB, 44 tok/s.
+    """12 GB at 360 GB/s (a consumer card): Qwen3-8B in int8 is 9.44 GB of weights with its
+    head in bf16 (1 byte a weight + a bf16 scale a row), 8.82 GB with the head in int8 too
+    (151936 x 4096: 1.245 GB in bf16, 0.623 in int8), + 1.34 GB of KV for 8192 tokens: it
+    fits. Qwen3-14B even in int4 does not fit beside its KV, and streamed it reads at disk
+    speed. Exact bf16 Qwen3-4B (8.04 GB) fits. Qwen3-8B's token reads 8.82 GB less its untied
+    embedding table but one row (1.245 GB): 7.57 GB, 47.5 tok/s.
 
-    The largest usable model is the hybrid Qwen3.5-9B in int4: 6.9185e9 decoder weights at
-    0.625 bytes (4.324 GB) and the rest in bf16 (2.0353e9: the head and the embedding table,
-    248320 x 4096 each, norms and conv kernels; less the table but one row: 1.0182e9, 2.036 GB)
-    fit with its KV and read 6.36 GB a token: 56.6 tok/s bound."""
+    The largest usable model is the hybrid Qwen3.5-9B, now in int8: 6.9185e9 decoder
+    weights at 1 byte and a bf16 scale a row of 4096 (6.922 GB), the head 248320 x 4096 in
+    int8 (1.0176 GB), the untied embedding table in bf16 (2.034 GB), norms and conv kernels
+    (1.04e6 in bf16): 9.98 GB, which fits beside its KV (with the head in bf16 it did not,
+    and int4 was chosen). A token reads all but the table, and one row of it: 7.94 GB,
+    45.3 tok/s bound."""
     gpu = hardware.Hardware((hardware.Accelerator("cuda", 0, "12 GB card", 12 * GB, 12 * GB),), 64 * GB, 60 * GB,
                             500 * GB, "/", "x", 8, False, "cuda:0", 12 * GB, ())
     opts, rec = _options(gpu, {"cuda": 360e9})
-    assert (rec.model.key, rec.profile) == ("Qwen/Qwen3.5-9B", "resident-int4")
-    assert rec.tps == pytest.approx(360e9 / 6.36e9, rel=0.01)
+    assert (rec.model.key, rec.profile) == ("Qwen/Qwen3.5-9B", "resident-int8")
+    assert rec.tps == pytest.approx(360e9 / 7.94e9, rel=0.01)
     assert opts["Qwen/Qwen3-8B"].profile == "resident-int8"
-    assert opts["Qwen/Qwen3-8B"].tps == pytest.approx(360e9 / 8.19e9, rel=0.01)
+    assert opts["Qwen/Qwen3-8B"].tps == pytest.approx(360e9 / 7.57e9, rel=0.01)
     assert opts["Qwen/Qwen3-4B"].profile == "resident-exact" and opts["Qwen/Qwen3-4B"].auto is None
     assert not opts["Qwen/Qwen3-14B"].usable
 
