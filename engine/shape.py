@@ -69,7 +69,8 @@ class ModelShape:
     def weight_bytes(self, weights: str = "exact", group_size: int = 32, head: str = "exact") -> int:
         """Every weight held: the decoder matrices in `weights`, the output head (a tied
         table, which also serves the embedding lookups) in `head`, the rest exact."""
-        return self.linear_bytes(weights, group_size) + self.other_params * self.dtype_bytes - self._head_saving(head, group_size)
+        return (self.linear_bytes(weights, group_size) + self.other_params * self.dtype_bytes
+                - self._head_saving(head, group_size))
 
     def _head_saving(self, head: str, group_size: int) -> int:
         """The bytes the output head saves held as `head` (int8, int4) rather than exact."""
@@ -85,7 +86,8 @@ class ModelShape:
             return 1.0
         return 1.0 - (1.0 - self.experts_per_tok / self.experts) ** max(1, positions)
 
-    def read_bytes(self, weights: str = "exact", group_size: int = 32, positions: int = 1, head: str = "exact") -> int:
+    def read_bytes(self, weights: str = "exact", group_size: int = 32, positions: int = 1,
+                   head: str = "exact") -> int:
         """The bytes a pass of `positions` tokens reads: every decoder matrix but the routed
         experts, the experts its tokens route to, the norms and the head (in `head`), and one
         embedding row a token (a tied table is read whole, as the head)."""
