@@ -287,7 +287,8 @@ def _read_layer(cache: QuantCache, name: str, manifest: dict, mapped: bool) -> d
 
 
 def load(path: Path, cfg, device: torch.device, fmt: str, group: int, act_dtype: torch.dtype,
-         cache: QuantCache, embeddings: bool, head: str, progress, mapped_experts: bool = False) -> tuple[nn.Module, bool]:
+         cache: QuantCache, embeddings: bool, head: str, progress,
+         mapped_experts: bool = False) -> tuple[nn.Module, bool]:
     """The quantized model (modules filled, on the device) and whether the cache served it.
     A first load quantizes into the cache, one layer in memory at a time, then packs the model
     from what it wrote (checked as any later load checks it). `mapped_experts` (a mixture whose

@@ -122,10 +122,11 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
     weights: int8 (per output channel) | int4 (group-wise, `group_size` along the input).
     act_dtype: default bfloat16 where the device has native bf16, else float32 (CPU) or
     float16 (GPU). head: the output head in int8 (default) or "exact" (act_dtype).
-    embeddings: quantize embeddings and head as the layers. progress(what, done, total) is called per layer. experts_in_memory (a
-    mixture on a CPU whose experts do not all fit): its experts stay memory-mapped from the
-    cache's files (module_quant.load) but for this many bytes of them, the most used first
-    (routing.py: counts kept per model, measured on `routing_texts` where there are none)."""
+    embeddings: quantize embeddings and head as the layers. progress(what, done, total) is
+    called per layer. experts_in_memory (a mixture on a CPU whose experts do not all fit):
+    its experts stay memory-mapped from the cache's files (module_quant.load) but for this
+    many bytes of them, the most used first (routing.py: counts kept per model, measured on
+    `routing_texts` where there are none)."""
     t0 = time.perf_counter()
     path = Path(path)
     if weights not in FORMATS:
