@@ -146,7 +146,6 @@ def race(hf: Path, files: dict, only: list[str], cache: Path, rounds: int, token
     LOCALCHAT_HYBRID_KERNEL=off: transformers' modules), interleaved; the rows, the samples
     and the read rates measured around each row."""
     from llama_cpp import Llama
-    shape = ModelShape.from_checkpoint(hf)
     threads = torch.get_num_threads()
     out_rows, samples_all, rates = [], {}, []
     for r in only:
@@ -162,14 +161,14 @@ def race(hf: Path, files: dict, only: list[str], cache: Path, rounds: int, token
             del os.environ["LOCALCHAT_HYBRID_KERNEL"]
         samples, bw, fig = interleaved(contenders, ids, tokens, -1, rounds)
         ours, peer = fig(f"ours {r}"), fig(f"llama.cpp {fmt}")
-        weights = {"q4": "int4", "q8": "int8"}.get(r, "exact")
-        read = shape.read_bytes(weights, head="exact" if weights == "exact" else "int8")
+        planned = eng.plan.row(eng.plan.chosen)          # what the engine reads and holds, as planned
+        read = planned.read_per_token
         desc = eng.describe()
         row = {"row": r, "llama_format": fmt, "ours": ours, "llama_cpp": peer,
                "decode_ratio": round(ours["decode_tps"] / peer["decode_tps"], 3),
                "prefill_ratio": round(ours["prefill_tps"] / peer["prefill_tps"], 3),
                "read_per_token_gb": round(read / 1e9, 3),
-               "weights_gb": round(shape.weight_bytes(weights) / 1e9, 3),
+               "weights_gb": round(planned.weights / 1e9, 3),
                **{k: desc[k] for k in ("experts", "hybrid_layers") if k in desc},
                # the read bound: bytes a token reads over the read rate measured around the row
                "ours_of_read_bound": round(ours["decode_tps"] * read / min(bw), 3),

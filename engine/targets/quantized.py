@@ -51,13 +51,13 @@ class QuantInfo:
     weights: str                 # int8 | int4
     group_size: int | None       # None for int8 (per output channel)
     embeddings: bool             # embeddings/head quantized as the layers
+    head: str                    # how the output head is held: int8, int4 or exact
     act_dtype: torch.dtype
     cache_dir: Path
     cache_hit: bool
     load_seconds: float
     int8_kernel: bool            # False: the dequantize-and-multiply fallback runs
     int4_kernel: bool
-    head: str = "exact"          # how the output head is held: int8, int4 or exact
 
 
 class QuantizedForward(llama_family.LlamaFamilyForward):
@@ -146,6 +146,8 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
                                   group_size, act_dtype, embeddings, head), settings)
     progress = progress or (lambda what, done, total: None)
     kernels = (qweights._int8_kernel_works(device, act_dtype), qweights._int4_kernel_works(device, act_dtype))
+    info = lambda hit: QuantInfo(weights, group, embeddings, head, act_dtype, cache.dir, hit,  # noqa: E731
+                                 time.perf_counter() - t0, *kernels)
     if why_not is not None:
         # Not a model the Llama-family forward runs (a hybrid, another architecture):
         # transformers' modules over packed weights (module_quant.py).
@@ -154,9 +156,7 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
                                        head, progress, mapped)
         placed = _keep_experts(model, path, Path(cache_dir) if cache_dir else default_cache_dir(),
                                experts_in_memory, routing_texts) if mapped else ""
-        info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels,
-                         head=head)
-        target = QuantizedTarget.over_modules(model, device, act_dtype, info)
+        target = QuantizedTarget.over_modules(model, device, act_dtype, info(hit))
         target.experts_placement = placed
     else:
         src = _Source(path, cfg)
@@ -166,10 +166,8 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
         if not hit:
             parts = quantize_checkpoint(src, cache, device, act_dtype, weights, group_size, embeddings, head, progress)
         rotary = type(skeleton.model.rotary_emb)(config=cfg).to(device)
-        info = QuantInfo(weights, group, embeddings, act_dtype, cache.dir, hit, time.perf_counter() - t0, *kernels,
-                         head=head)
-        target = QuantizedTarget(cfg, device, act_dtype,
-                                 dict(parts, rotary=rotary, scaling=skeleton.model.layers[0].self_attn.scaling), info)
+        scaling = skeleton.model.layers[0].self_attn.scaling
+        target = QuantizedTarget(cfg, device, act_dtype, dict(parts, rotary=rotary, scaling=scaling), info(hit))
     return target
 
 
