@@ -183,6 +183,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), '' where it says none."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def fast_bf16(device: torch.device) -> bool:
     """bfloat16 is worth computing in only where the hardware has instructions for it."""
     if device.type == "cuda":

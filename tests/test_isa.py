@@ -85,3 +85,32 @@ def test_a_bf16_checkpoint_computes_in_bf16_wherever_the_bf16_kernels_run(monkey
     assert kernels.default_dtype(cpu, torch.float32) == torch.float32      # exact stays exact
     monkeypatch.setattr(row_kernel, "_state", {torch.bfloat16: "turned off (test)"})
     assert kernels.default_dtype(cpu, torch.bfloat16) == torch.float32     # torch's kernels: float32
+
+
+def test_the_stream_prefetch_is_built_for_intel_only(monkeypatch):
+    monkeypatch.delenv("LOCALCHAT_ISA", raising=False)
+    _cpu(monkeypatch, AVX512)
+    for vendor, off in (("GenuineIntel", False), ("AuthenticAMD", True), ("", True)):
+        monkeypatch.setattr(hardware, "cpu_vendor", lambda v=vendor: v)
+        for d in (torch.bfloat16, torch.float32):
+            assert ("-DSTREAM_PREFETCH=0" in row_kernel.choose(d)[1]) is off
+
+
+@pytest.mark.skipif(not row_kernel.available(torch.bfloat16), reason="no bf16 row kernel here")
+def test_a_build_with_or_without_the_prefetch_gives_the_same_bits():
+    """The prefetch is a hint: the two builds' one-row products are equal bit for bit."""
+    import ctypes
+    from engine.kernels import build
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 6144, generator=g).bfloat16(), torch.randn(300, 6144, generator=g).bfloat16()
+    flags = [f for f in row_kernel.choose(torch.bfloat16)[1] if not f.startswith("-DSTREAM_PREFETCH")]
+    outs = []
+    for extra in ([], ["-DSTREAM_PREFETCH=0"]):
+        fn = build.library("rows", flags + extra).linear_bf16
+        P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes, fn.restype = [P, I64, P, I64, P, P, I64, I, I, I, I], None
+        y = torch.empty(1, 300, dtype=torch.bfloat16)
+        fn(x.data_ptr(), 6144, w.data_ptr(), 6144, None, y.data_ptr(), 300, 1, 300, 6144, 2)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.allclose(outs[0].float(), (x.float() @ w.float().t()), rtol=0.02, atol=0.5)

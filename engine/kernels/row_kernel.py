@@ -37,6 +37,12 @@ BUILDS = {
     "avx2": {torch.bfloat16: _AVX2, torch.float32: _AVX2},
 }
 FUNCTIONS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32"}
+# The one-row streams' software prefetch (rows.c) is for Intel: on the 2-core Xeon VM it took
+# the demo's one-token products from 12.4-14.4 GB/s to 17.2-17.9; on the AMD EPYC the
+# hardware prefetcher alone kept up, and the prefetch cost rows of 4-12 KB a seventh of the
+# read rate whenever the memory read fast (a 2048 x 6144 bf16 product 42.1 GB/s against 49.7
+# without it, a `sum` 49.5; equal when it read at ~31; medians of 15 interleaved rounds).
+STREAM_PREFETCH_OFF = ["-DSTREAM_PREFETCH=0"]
 MAX_ROWS = 65        # the widest verify pass models/rows.py probes (max_draft 64)
 
 _fns: dict[torch.dtype, object] = {}
@@ -54,7 +60,8 @@ def choose(dtype: torch.dtype) -> tuple[str, list[str], str]:
         flags, cpu = BUILDS[isa][dtype]
         missing = [f for f in cpu if f not in hardware.cpu_flags()]
         if not missing:
-            return isa, flags, ""
+            tuning = [] if hardware.cpu_vendor() == "GenuineIntel" else STREAM_PREFETCH_OFF
+            return isa, flags + tuning, ""
     return "", [], f"this CPU lacks {', '.join(missing)}" + (f" (LOCALCHAT_ISA={forced})" if forced else "")
 
 

@@ -15,8 +15,8 @@
  * row is read once, start to end, and applied to every x row: one sequential stream per
  * thread, which the hardware prefetcher follows at nearly the memory's read rate (a
  * Qwen3-1.7B-shaped layer at 40.5 GB/s on the development EPYC, where a `sum` read ~43, and
- * 1.50x torch's one-row product, interleaved). The stream is also fetched PREFETCH_BYTES
- * ahead in software: on a 2-core Intel Xeon VM with AMX the hardware prefetcher alone read the
+ * 1.50x torch's one-row product, interleaved). On Intel the stream is also fetched
+ * PREFETCH_BYTES ahead in software (row_kernel.py builds it without elsewhere): on a 2-core Intel Xeon VM with AMX the hardware prefetcher alone read the
  * demo model's one-token products at 12.4-14.4 GB/s, with the prefetch at 17.2-17.9
  * (a `sum` of the same weights: 14.5-16.4), interleaved in one run. More rows are compute-bound: blocks of NB weight rows times MB x rows, each x vector loaded
  * once for NB columns.
@@ -44,6 +44,9 @@
  * took a bf16 layer's products from 0.93-1.0x torch's to 1.17-1.26x (development EPYC,
  * interleaved in one run). */
 #define PREFETCH_BYTES 4096
+#ifndef STREAM_PREFETCH
+#define STREAM_PREFETCH PREFETCH_BYTES
+#endif
 #define STREAM_ROWS 2     /* more rows in this order were 2x slower than the tiles, measured */
 
 /* One kernel per element type T: LANES inputs per step, LOAD(ptr, n) the vector of the next
@@ -104,7 +107,7 @@ static inline __attribute__((always_inline)) void NAME##_stream(                
     for (int m = 0; m < STREAM_ROWS; m++) acc[m] = ACC_ZERO();                                      \
     const T *wr = w + (int64_t)n * ldw;                                                             \
     for (int k = 0; k < K; k += LANES) {                                                            \
-        _mm_prefetch((const char *)(wr + k) + PREFETCH_BYTES, _MM_HINT_T0);                         \
+        if (STREAM_PREFETCH) _mm_prefetch((const char *)(wr + k) + STREAM_PREFETCH, _MM_HINT_T0);   \
         VEC wv = LOAD(wr + k, K - k);                                                               \
         for (int m = 0; m < STREAM_ROWS; m++) {                                                     \
             if (m >= mb) break;                                                                     \
