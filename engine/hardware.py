@@ -146,15 +146,20 @@ def _torch_accelerators() -> list[Accelerator]:
     return out
 
 
-def _cpu_name() -> str:
+def _cpuinfo(key: str) -> str:
+    """The first value of `key` in /proc/cpuinfo, '' where there is none."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
             for line in fh:
-                if line.startswith("model name"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+def _cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -186,14 +191,7 @@ def cpu_flags() -> frozenset[str]:
 @functools.lru_cache(maxsize=None)
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), '' where it says none."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id")
 
 
 def fast_bf16(device: torch.device) -> bool:
