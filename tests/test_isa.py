@@ -99,7 +99,6 @@ def test_the_stream_prefetch_is_built_for_intel_only(monkeypatch):
 @pytest.mark.skipif(not row_kernel.available(torch.bfloat16), reason="no bf16 row kernel here")
 def test_a_build_with_or_without_the_prefetch_gives_the_same_bits():
     """The prefetch is a hint: the two builds' one-row products are equal bit for bit."""
-    import ctypes
     from engine.kernels import build
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(1, 6144, generator=g).bfloat16(), torch.randn(300, 6144, generator=g).bfloat16()
@@ -107,8 +106,7 @@ def test_a_build_with_or_without_the_prefetch_gives_the_same_bits():
     outs = []
     for extra in ([], ["-DSTREAM_PREFETCH=0"]):
         fn = build.library("rows", flags + extra).linear_bf16
-        P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes, fn.restype = [P, I64, P, I64, P, P, I64, I, I, I, I], None
+        fn.argtypes, fn.restype = row_kernel.ARGTYPES, None
         y = torch.empty(1, 300, dtype=torch.bfloat16)
         fn(x.data_ptr(), 6144, w.data_ptr(), 6144, None, y.data_ptr(), 300, 1, 300, 6144, 2)
         outs.append(y)

@@ -30,9 +30,7 @@
 #if LC_AVX512
 
 #define Q4_MB 4             /* x rows per pass over a weight row (it stays in L1 between passes) */
-#ifndef Q4_PREFETCH
 #define Q4_PREFETCH 2048
-#endif
 
 /* One block of 64 codes (32 bytes) as two vectors of bf16 values 128 + q (exact: 0x4300 is
  * 128 and the low 7 mantissa bits count up from it): *lo the low nibbles (even k), *hi the
@@ -88,7 +86,7 @@ static inline __attribute__((always_inline)) void q4_rows(
             int kb = k + 64 * half;
             if (kb >= K) break;
             __m512bh lo, hi;
-            if (Q4_PREFETCH) _mm_prefetch((const char *)(qr + kb / 2) + Q4_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)(qr + kb / 2) + Q4_PREFETCH, _MM_HINT_T0);
             q4_codes(qr + kb / 2, &lo, &hi);
             __m512 sv = q4_scales(sr, kb / group, group);
             for (int m = 0; m < Q4_MB; m++) {
@@ -192,9 +190,7 @@ void dequant_q4_bf16(const uint8_t *q, const uint16_t *scale, const uint16_t *ze
 
 #else
 #define Q4_MB 4             /* x rows per pass over a weight row: 8 accumulators, 2 code vectors */
-#ifndef Q4_PREFETCH
 #define Q4_PREFETCH 2048
-#endif
 
 /* bf16 values [0, min(n, 8)) of p as float32 lanes, the rest 0 */
 static inline __m256 q4_f32(const uint16_t *p, int n) {
@@ -232,7 +228,7 @@ static inline __attribute__((always_inline)) void q4_rows(
         for (int half = 0; half < 2; half++) {          /* constant after unrolling: acc stays in registers */
             int kb = k + 32 * half;
             if (kb >= K) break;
-            if (Q4_PREFETCH) _mm_prefetch((const char *)(qr + kb / 2) + Q4_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)(qr + kb / 2) + Q4_PREFETCH, _MM_HINT_T0);
             __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qr + kb / 2)));
             __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f)), hi = _mm256_srli_epi16(v, 4);
             float sw = from_bf16(sr[kb / group]);

@@ -23,9 +23,7 @@
 #define Q8_MB 2             /* AVX2: 2 rows x 4 chains of accumulators, of 16 registers */
 #endif
 #define Q8_CHAINS 4         /* accumulators per row: FMA chains in flight */
-#ifndef Q8_PREFETCH
 #define Q8_PREFETCH 2048
-#endif
 
 /* sums[m] = sum_k xf[m0 + m][k] * q[n][k] for m < mb, xf float32 [M, K]. Blocks of VL codes
  * go round Q8_CHAINS accumulators (block b into chain b % Q8_CHAINS), the last one partial;
@@ -41,7 +39,7 @@ static inline __attribute__((always_inline)) void q8_rows(const float *xf, int K
     }
     const int full = K / (VL * Q8_CHAINS) * (VL * Q8_CHAINS);
     for (int k = 0; k < full; k += VL * Q8_CHAINS) {
-        if (Q8_PREFETCH) _mm_prefetch((const char *)(qr + k) + Q8_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)(qr + k) + Q8_PREFETCH, _MM_HINT_T0);
         for (int c = 0; c < Q8_CHAINS; c++) {           /* constant after unrolling: acc stays in registers */
             vf w = vf_from_i8(qr + k + VL * c, VL);
             for (int m = 0; m < Q8_MB; m++) {

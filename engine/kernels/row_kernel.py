@@ -43,6 +43,9 @@ FUNCTIONS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32"}
 # read rate whenever the memory read fast (a 2048 x 6144 bf16 product 42.1 GB/s against 49.7
 # without it, a `sum` 49.5; equal when it read at ~31; medians of 15 interleaved rounds).
 STREAM_PREFETCH_OFF = ["-DSTREAM_PREFETCH=0"]
+# linear_bf16 / linear_f32: x, ldx, w, ldw, bias, y, ldy, M, N, K, threads
+ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 MAX_ROWS = 65        # the widest verify pass models/rows.py probes (max_draft 64)
 
 _fns: dict[torch.dtype, object] = {}
@@ -84,8 +87,7 @@ def _load(dtype: torch.dtype) -> str:
         return build.why(SOURCE, flags)
     fn = getattr(lib, name)
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = ARGTYPES
     _fns[dtype] = fn
     # A miscompiled or misbehaving library must not decide anyone's tokens: its products
     # against float64's on random matrices (tails in both dimensions) before first use.

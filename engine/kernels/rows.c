@@ -16,10 +16,11 @@
  * thread, which the hardware prefetcher follows at nearly the memory's read rate (a
  * Qwen3-1.7B-shaped layer at 40.5 GB/s on the development EPYC, where a `sum` read ~43, and
  * 1.50x torch's one-row product, interleaved). On Intel the stream is also fetched
- * PREFETCH_BYTES ahead in software (row_kernel.py builds it without elsewhere): on a 2-core Intel Xeon VM with AMX the hardware prefetcher alone read the
- * demo model's one-token products at 12.4-14.4 GB/s, with the prefetch at 17.2-17.9
- * (a `sum` of the same weights: 14.5-16.4), interleaved in one run. More rows are compute-bound: blocks of NB weight rows times MB x rows, each x vector loaded
- * once for NB columns.
+ * PREFETCH_BYTES ahead in software (row_kernel.py builds it without elsewhere): on a 2-core
+ * Intel Xeon VM with AMX the hardware prefetcher alone read the demo model's one-token
+ * products at 12.4-14.4 GB/s, with the prefetch at 17.2-17.9 (a `sum` of the same weights:
+ * 14.5-16.4), interleaved in one run. More rows are compute-bound: blocks of NB weight rows
+ * times MB x rows, each x vector loaded once for NB columns.
  *
  * bf16 output is rounded to nearest even, as torch rounds.
  *
