@@ -95,6 +95,26 @@ def test_one_and_two_threads_give_the_same_bits(model):
     assert torch.equal(got[0], got[1])
 
 
+def test_steps_after_the_cache_grows_read_the_new_cache(model):
+    """A layer's C description is built once, but the cache's addresses are each pass's: a
+    cache that grows mid-conversation (a new, larger tensor per layer) gives the very bits
+    a cache that was large from the start gives."""
+    got = []
+    for grow in (False, True):
+        eng = engine.open(str(model), drafter="none")
+        t, cache = eng.target, eng.target.cache
+        with torch.inference_mode():
+            t.forward(IDS)
+            steps = [t.forward([d], all_logits=True) for d in DRAFTS[:3]]
+            if grow:
+                before = cache.k[0].data_ptr()
+                cache.reserve(cache.capacity - cache.length + 1)
+                assert cache.k[0].data_ptr() != before
+            steps += [t.forward([d], all_logits=True) for d in DRAFTS[3:]]
+        got.append(torch.cat(steps))
+    assert torch.equal(got[0], got[1])
+
+
 def test_close_to_transformers_layers(family, tmp_path, tokenizer):
     """float32: each one-token step's logits against transformers' forward over the whole
     sequence, with every norm weight, decay and step bias made random too (a fresh tiny

@@ -123,6 +123,7 @@ def layer_kinds(config) -> list[str]:
 
 
 class HFForward(rows.KernelPasses):
+    weights_fixed = True           # each module keeps its weight tensors for the session
     def __init__(self, model, cache: KVCache, mapped_experts: dict | None = None):
         """`mapped_experts`: the routed experts of sparse blocks whose modules do not hold
         them (moe.install)."""

@@ -2,14 +2,18 @@
 for the passes whose rows must be one-token steps: one-token steps and verify passes.
 
 Each decoder layer's forward is wrapped: such a pass runs the C layer over the layer's own
-weights (read from its modules at each call, so a streamed slot's views work as resident
-tensors do) and the forward's caches; any other pass (a prefill, a traced graph, a layer
+weights and the forward's caches; any other pass (a prefill, a traced graph, a layer
 whose weights are not held as the kernels read them) runs transformers' forward. A verify
 pass of a gated delta-net layer steps from the committed state into working copies and
 records each position's inputs to the recurrence into the layer's replay buffer, as
 models/replay.py's verify forward does, so the replay that settles the round is unchanged.
 A mixture-of-experts layer's second half runs its norm and shared expert (with the expert's
 sigmoid gate) in one more C call; the router and the routed experts are models/moe.py's.
+A layer's C description (its weights' addresses and formats) is built on its first pass
+and kept: rebuilding it took about a tenth of a Qwen3.5-2B-shaped bf16 step in Python
+(5.5 ms of some 70 on the development EPYC). A streamed forward, whose layers are bound to
+a slot's views anew on every pass, builds it every pass; the caches' addresses are each
+pass's everywhere (a cache grows into new tensors).
 `LOCALCHAT_HYBRID_KERNEL=off` keeps transformers' modules everywhere, for comparisons."""
 from __future__ import annotations
 
@@ -71,7 +75,10 @@ class HybridLayers:
                           Hk=gdn.num_k_heads, Hv=gdn.num_v_heads, Dk=gdn.head_k_dim, Dv=gdn.head_v_dim,
                           eps=cfg.rms_norm_eps, scale=attn.scaling)
         self.conv_k = gdn.conv_kernel_size
-        self._a_neg: dict[int, torch.Tensor] = {}
+        # A layer's C description, built on its first pass and kept where the weights stay
+        # put (a streamed forward binds each layer to a slot's views anew: built every pass)
+        self._fixed = fwd.weights_fixed
+        self._shapes: dict[int, Shape] = {}
         kv = 0
         for i, layer in enumerate(layers):
             orig = layer.forward
@@ -95,7 +102,38 @@ class HybridLayers:
 
     # -- the C descriptions
     def _shape(self, capacity: int = 0) -> Shape:
-        return Shape(capacity=capacity, **self.shape)
+        shape = self._shapes.get(capacity)
+        if shape is None:
+            shape = self._shapes[capacity] = Shape(capacity=capacity, **self.shape)
+        return shape
+
+    def _described(self, layer, build):
+        """`build(layer)`: the layer's C description, or None where its weights are not held
+        as the kernels read them; kept for the next pass where weights stay put, per thread
+        (a pass writes its cache's addresses into it)."""
+        if not self._fixed:
+            return build(layer)
+        desc = getattr(self._mine, "desc", None)
+        if desc is None:
+            desc = self._mine.desc = {}
+        key = id(layer)
+        if key not in desc:
+            desc[key] = build(layer)
+        return desc[key]
+
+    def _buffers(self, T: int, C: int, VD: int, Hv: int) -> tuple:
+        """A delta-net pass's intermediates (raw, conv, z, beta, g, core), this thread's own;
+        nothing keeps them past the pass (the replay buffers copy what they record)."""
+        bufs = getattr(self._mine, "bufs", None)
+        if bufs is None:
+            bufs = self._mine.bufs = {}
+        b = bufs.get(T)
+        if b is None:
+            dt = self.dtype
+            b = bufs[T] = (torch.empty(T, C, dtype=dt), torch.empty(T, C, dtype=dt), torch.empty(T, VD, dtype=dt),
+                           torch.empty(T, Hv, dtype=dt), torch.empty(T, Hv, dtype=torch.float32),
+                           torch.empty(T, VD, dtype=dt))
+        return b
 
     def _mlp(self, d: Weights, layer) -> bool:
         d.ln2 = layer.post_attention_layernorm.weight.data_ptr()
@@ -116,96 +154,128 @@ class HybridLayers:
             s = self._mine.scratch = torch.empty(max(need, 2 * (0 if s is None else s.numel())), dtype=torch.uint8)
         return s
 
-    def _moe_half(self, layer, d: Weights, shape: Shape, h: torch.Tensor, T: int, scratch) -> None:
-        """A sparse block's half of the layer: its norm and shared expert in C where they are
-        held as the kernels read them (the router and the experts kernel on the normed rows),
-        else the modules, each rounding as transformers' block does."""
+    def _moe_desc(self, d: Weights, layer) -> bool:
+        """A sparse block's shared expert and its gate into `d`; False where the module must
+        run it (not held as the kernels read them)."""
         mlp = layer.mlp
-        if hasattr(mlp, "gate_proj"):
-            return                              # a dense MLP: it ran in the layer's call
         se, score = getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
         ws = None if se is None or score is None else _matrices(self.dtype, se.gate_proj, se.up_proj, se.down_proj,
                                                                  score)
         if ws is None or se.gate_proj.out_features != self.shape["shared_inter"]:
+            return False
+        d.se_gate, d.se_up, d.se_down, d.se_score = (mat(w) for w in ws)
+        return True
+
+    def _moe_half(self, layer, sparse: int, dr: int, sr: int, h: torch.Tensor, T: int, scratch) -> None:
+        """A sparse block's half of the layer (`sparse`: 0 for a dense MLP, which ran in the
+        layer's call; 1 for a shared expert held as the kernels read it; 2 for the module):
+        its norm and shared expert in C (the router and the experts kernel on the normed
+        rows), else the modules, each rounding as transformers' block does."""
+        if not sparse:
+            return
+        mlp = layer.mlp
+        if sparse == 2:
             y = mlp(layer.post_attention_layernorm(h.view(1, T, -1)))
             h.add_((y[0] if isinstance(y, tuple) else y).view(T, -1))
             return
-        d.se_gate, d.se_up, d.se_down, d.se_score = (mat(w) for w in ws)
         x, shared = torch.empty_like(h), torch.empty_like(h)
-        self.lib.moe_in(ctypes_ref(d), ctypes_ref(shape), h.data_ptr(), T, x.data_ptr(), shared.data_ptr(),
-                        scratch.data_ptr(), torch.get_num_threads())
+        self.lib.moe_in(dr, sr, h.data_ptr(), T, x.data_ptr(), shared.data_ptr(), scratch.data_ptr(),
+                        torch.get_num_threads())
         _, weights, chosen = mlp.gate(x)
         h.add_(mlp.experts(x, chosen, weights).view(T, -1) + shared)
 
+    def _common(self, d: Weights, layer):
+        """The input norm and the layer's second half into `d`: how its sparse block runs
+        (as _moe_half takes it), or None where the layer cannot run in C."""
+        d.ln1 = layer.input_layernorm.weight.data_ptr()
+        if not self._mlp(d, layer):
+            return None
+        if hasattr(layer.mlp, "gate_proj"):
+            return 0
+        return 1 if self._moe_desc(d, layer) else 2
+
     # -- a gated attention layer
+    def _attention_desc(self, layer):
+        att = layer.self_attn
+        ws = _matrices(self.dtype, att.q_proj, att.k_proj, att.v_proj, att.o_proj)
+        d = Weights()
+        sparse = None if ws is None else self._common(d, layer)
+        if sparse is None:
+            return None
+        d.q_norm, d.k_norm = att.q_norm.weight.data_ptr(), att.k_norm.weight.data_ptr()
+        d.q, d.k, d.v, d.o = (mat(w) for w in ws)
+        return d, ctypes_ref(d), sparse
+
     def _attention(self, layer, kv: int, h: torch.Tensor, T: int, kw) -> bool:
-        att, dt = layer.self_attn, self.dtype
+        dt = self.dtype
         cache, pos = self.fwd.cache, self.fwd._pos
         kc, vc = cache.k[kv], cache.v[kv]
         cos, sin = kw["position_embeddings"]
-        ws = _matrices(dt, att.q_proj, att.k_proj, att.v_proj, att.o_proj)
-        if not (ws is not None and _plain(kc, dt) and _plain(vc, dt) and cos.dtype == dt
-                and cos.shape[-1] == self.shape["rot"] and pos + T <= kc.shape[2]):
+        if not (_plain(kc, dt) and _plain(vc, dt) and cos.dtype == dt and cos.shape[-1] == self.shape["rot"]
+                and pos + T <= kc.shape[2]):
             return False
-        d = Weights()
-        if not self._mlp(d, layer):
+        desc = self._described(layer, self._attention_desc)
+        if desc is None:
             return False
-        d.ln1 = layer.input_layernorm.weight.data_ptr()
-        d.q_norm, d.k_norm = att.q_norm.weight.data_ptr(), att.k_norm.weight.data_ptr()
-        d.q, d.k, d.v, d.o = (mat(w) for w in ws)
-        d.k_cache, d.v_cache = kc.data_ptr(), vc.data_ptr()
+        d, dr, sparse = desc
+        d.k_cache, d.v_cache = kc.data_ptr(), vc.data_ptr()     # the cache may have grown
         shape = self._shape(kc.shape[2])
+        sr = ctypes_ref(shape)
         cos, sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
         scratch = self._scratch(shape, T, pos + T)
-        self.lib.attn(ctypes_ref(d), ctypes_ref(shape), h.data_ptr(), T, pos, cos.data_ptr(), sin.data_ptr(),
-                      scratch.data_ptr(), torch.get_num_threads())
-        self._moe_half(layer, d, shape, h, T, scratch)
+        self.lib.attn(dr, sr, h.data_ptr(), T, pos, cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(),
+                      torch.get_num_threads())
+        self._moe_half(layer, sparse, dr, sr, h, T, scratch)
         return True
 
     # -- a gated delta-net layer
-    def _delta_net(self, layer, where, h: torch.Tensor, T: int, kw) -> bool:
-        lay, rep = where
+    def _delta_net_desc(self, layer):
         mod, dt = layer.linear_attn, self.dtype
-        if not lay.has_previous_state[0]:
-            return False                        # a first pass: transformers' forward starts the state
-        # without a replay (a layer replay.py does not know) verify passes are transformers',
-        # so one-token steps must be too
-        window, state = lay.conv_states[0], lay.recurrent_states[0]
-        verifying = self.fwd.cache.verifying
         grouped = hasattr(mod, "in_proj_qkvz")            # Qwen3-Next
         ws = (_matrices(dt, mod.in_proj_qkvz, mod.in_proj_ba, mod.out_proj) if grouped else
               _matrices(dt, mod.in_proj_qkv, mod.in_proj_z, mod.in_proj_b, mod.in_proj_a, mod.out_proj))
-        if (rep is None or ws is None or not _plain(window, dt) or not _plain(state, torch.float32)
-                or not _plain(mod.conv1d.weight, dt) or not _plain(mod.norm.weight, dt)):
-            return False
+        if ws is None or not _plain(mod.conv1d.weight, dt) or not _plain(mod.norm.weight, dt):
+            return None
         d = Weights()
-        if not self._mlp(d, layer):
-            return False
-        d.ln1 = layer.input_layernorm.weight.data_ptr()
+        sparse = self._common(d, layer)
+        if sparse is None:
+            return None
         if grouped:
             d.qkvz, d.ba, d.out = (mat(w) for w in ws)
         else:
             d.qkv, d.z, d.b, d.a, d.out = (mat(w) for w in ws)
         d.norm, d.dt_bias = mod.norm.weight.data_ptr(), mod.dt_bias.data_ptr()
-        a_neg = self._a_neg.get(id(mod))          # a module always holds its own layer's A_log
-        if a_neg is None:
-            a_neg = self._a_neg[id(mod)] = -mod.A_log.float().exp()
+        a_neg = -mod.A_log.float().exp()
         d.a_neg = a_neg.data_ptr()
+        C = 2 * self.shape["Hk"] * self.shape["Dk"] + self.shape["Hv"] * self.shape["Dv"]
+        # a_neg is kept with the description that points at it
+        return d, ctypes_ref(d), sparse, mod.conv1d.weight.view(C, -1), a_neg
+
+    def _delta_net(self, layer, where, h: torch.Tensor, T: int, kw) -> bool:
+        lay, rep = where
+        if not lay.has_previous_state[0] or rep is None:
+            # a first pass: transformers' forward starts the state; without a replay (a layer
+            # replay.py does not know) verify passes are transformers', so one-token steps
+            # must be too
+            return False
+        window, state = lay.conv_states[0], lay.recurrent_states[0]
+        if not _plain(window, self.dtype) or not _plain(state, torch.float32):
+            return False
+        desc = self._described(layer, self._delta_net_desc)
+        if desc is None:
+            return False
+        d, dr, sparse, conv_w, _ = desc
         s = self.shape
         Hk, Hv, Dk, Dv = s["Hk"], s["Hv"], s["Dk"], s["Dv"]
         C = 2 * Hk * Dk + Hv * Dv
-        raw = torch.empty(T, C, dtype=dt)
-        conv = torch.empty(T, C, dtype=dt)
-        z = torch.empty(T, Hv * Dv, dtype=dt)
-        beta = torch.empty(T, Hv, dtype=dt)
-        g = torch.empty(T, Hv, dtype=torch.float32)
-        core = torch.empty(T, Hv * Dv, dtype=dt)
+        raw, conv, z, beta, g, core = self._buffers(T, C, Hv * Dv, Hv)
         shape = self._shape()
+        sr = ctypes_ref(shape)
         scratch = self._scratch(shape, T, 0)
         threads = torch.get_num_threads()
-        dr, sr = ctypes_ref(d), ctypes_ref(shape)
         self.lib.gdn_in(dr, sr, h.data_ptr(), T, raw.data_ptr(), z.data_ptr(), beta.data_ptr(), g.data_ptr(),
                         scratch.data_ptr(), threads)
+        verifying = self.fwd.cache.verifying
         if verifying:                           # from the committed state (or the recording so far) into copies
             at = rep.positions
             window = (rep.window if at else window).clone()
@@ -213,10 +283,9 @@ class HybridLayers:
             s_out = torch.empty_like(state)
         else:                                   # the committed state advanced in place
             s_in = s_out = state
-        conv_w = mod.conv1d.weight.view(C, -1)
         self.lib.step(raw.data_ptr(), window.data_ptr(), conv_w.data_ptr(), conv.data_ptr(), g.data_ptr(),
                       beta.data_ptr(), s_in.data_ptr(), s_out.data_ptr(), core.data_ptr(), T, Hk, Hv, Dk, Dv,
-                      self.conv_k, dt == torch.bfloat16, threads)
+                      self.conv_k, self.dtype == torch.bfloat16, threads)
         if verifying:
             cap = self.fwd.cache.replay_capacity
             qkv = conv.view(1, T, C)
@@ -228,7 +297,7 @@ class HybridLayers:
             rep._slot("raw", raw.t().unsqueeze(0), cap, 2, at)
             rep.positions, rep.final, rep.window = at + T, s_out, window
         self.lib.gdn_out(dr, sr, h.data_ptr(), T, core.data_ptr(), z.data_ptr(), scratch.data_ptr(), threads)
-        self._moe_half(layer, d, shape, h, T, scratch)
+        self._moe_half(layer, sparse, dr, sr, h, T, scratch)
         return True
 
 

@@ -180,6 +180,8 @@ def bind(layer: nn.Module, fields: dict, flat: torch.Tensor) -> None:
 class StreamedModulesForward(hf_forward.HFForward):
     """HFForward over a model whose decoder layers are bound to slots as they run."""
 
+    weights_fixed = False          # a layer's tensors are a slot's views, new on every pass
+
     def __init__(self, target, model: nn.Module, mapped_experts: dict | None = None):
         super().__init__(model, target.cache, mapped_experts)
         self.t = target
