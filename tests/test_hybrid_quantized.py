@@ -105,3 +105,38 @@ def test_profiles_through_open(hybrid, tmp_path):
             assert done.reason in ("length", "stop") and done.token_ids
             if i:
                 assert chat.last_stats.prefill_tokens < chat.last_stats.prompt_tokens
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_only_steps_and_verify_passes_take_lone_rows(hybrid, tmp_path, monkeypatch, fmt):
+    """A packed matrix's product asks for lone rows (each row as a one-token step computes
+    it: the matrix-vector kernels) in one-token steps and verify passes, whose rows
+    speculation compares, and not in a prefill, which takes the GEMM path; the prefill's
+    logits are then the verify pass's up to rounding."""
+    q = load_quantized(hybrid, CPU, fmt, act_dtype=torch.float32, cache_dir=tmp_path)
+    asked = []
+    for cls in (qweights.Int8Weight, qweights.Int4Weight):
+        real = cls.mm
+
+        def mm(self, x, bias=None, lone_rows=True, real=real):
+            asked.append((x.shape[0], lone_rows))
+            return real(self, x, bias, lone_rows)
+        monkeypatch.setattr(cls, "mm", mm)
+    ids = list(range(3, 43))
+    prefill = q.forward(ids[:30])
+    assert asked and all(not lone for rows, lone in asked if rows > 1)
+    asked.clear()
+    q.forward(ids[30:31])
+    assert asked and all(lone and rows == 1 for rows, lone in asked)
+    asked.clear()
+    verify = q.forward(ids[31:], all_logits=True)
+    assert asked and all(lone for rows, lone in asked)
+    assert verify.shape[0] == 9
+    # The same prefill with every product in lone rows: the GEMM sums in another order,
+    # nothing more (a tolerance as test_logits_match_their_definition's).
+    for m in q.impl.model.modules():
+        if isinstance(m, PackedLinear):
+            m.row_passes = None
+    q.cache.rollback(0)
+    lone = q.forward(ids[:30])
+    assert float((lone - prefill).abs().max() / lone.std()) < 1e-3

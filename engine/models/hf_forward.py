@@ -156,6 +156,9 @@ class HFForward(rows.KernelPasses):
         for m in dense:
             plain = _padded_linear(m) if self.rows.pad else m.forward
             m.forward = _kernel_linear(m, plain, self) if self._kernel else plain
+        for m in model.modules():
+            if hasattr(m, "row_passes"):         # a packed weight's module (targets/module_quant.py)
+                m.row_passes = self
         # Every weight starts on 64 bytes, as a streamed slot's views do (matrix-vector
         # kernels may round by alignment: llama_family.ALIGN_BYTES), so a model streamed
         # through these same modules computes the very bits this one does.

@@ -105,6 +105,11 @@ class KernelPasses:
     def _begin_pass(self, T: int, all_logits: bool) -> None:
         self._verify_pass = all_logits and T <= row_kernel.MAX_ROWS
 
+    def lone_rows(self) -> bool:
+        """Whether this pass's rows must each be computed as a lone row (a verify pass; a
+        one-token step's single row is one anyway)."""
+        return self._verify_pass
+
     def _row_kernel(self, T: int) -> bool:
         return self._kernel and (T == 1 or self._verify_pass)
 

@@ -29,6 +29,12 @@ from .qcache import QuantCache
 
 class PackedLinear(nn.Module):
     """nn.Linear's forward over a packed weight (any leading shape, as nn.Linear takes)."""
+    # The forward whose pass says whether this product's rows must be lone rows (a step or a
+    # verify pass, models/rows.KernelPasses; set by models/hf_forward.py). A prefill's rows
+    # need not be, and take the GEMM path: the lone-row kernels are matrix-vector ones (an
+    # 8192 x 2048 int8 matrix at 48 rows: 17.4 ms, dequantized in C and torch's GEMM: 3.1 ms;
+    # 2-core Xeon). None: always lone rows.
+    row_passes = None
 
     def __init__(self, weight, bias: torch.Tensor | None):
         super().__init__()
@@ -39,7 +45,9 @@ class PackedLinear(nn.Module):
             self.register_buffer(f"packed{i}", t, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.w.mm(x.reshape(-1, self.in_features), self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        lone = self.row_passes is None or x2.shape[0] == 1 or self.row_passes.lone_rows()
+        y = self.w.mm(x2, self.bias, lone_rows=lone)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -60,7 +68,9 @@ class PackedExperts(nn.Module):
     """A mixture-of-experts block's expert matrices (transformers keeps them as 3-D
     parameters, [experts, out, in]), one packed weight per expert, with the forward of
     transformers' experts modules (Qwen2-MoE style: gate and up fused, the router's
-    weights applied after the down projection, summed with index_add_)."""
+    weights applied after the down projection, summed with index_add_). Where no experts
+    kernel takes them (models/moe.py)."""
+    row_passes = None            # as PackedLinear's
 
     def __init__(self, module: nn.Module, gate_up: list, down: list):
         super().__init__()
@@ -85,6 +95,7 @@ class PackedExperts(nn.Module):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
+        lone = self.row_passes is None or hidden_states.shape[0] == 1 or self.row_passes.lone_rows()
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
@@ -92,8 +103,8 @@ class PackedExperts(nn.Module):
             if e == self.num_experts:
                 continue
             pos, rows = torch.where(mask[e])
-            gate, up = self.gate_up[e].mm(hidden_states[rows]).chunk(2, dim=-1)
-            h = self.down[e].mm((self.act_fn(gate) * up).contiguous())
+            gate, up = self.gate_up[e].mm(hidden_states[rows], lone_rows=lone).chunk(2, dim=-1)
+            h = self.down[e].mm((self.act_fn(gate) * up).contiguous(), lone_rows=lone)
             out.index_add_(0, rows, (h * top_k_weights[rows, pos, None]).to(out.dtype))
         return out
 
