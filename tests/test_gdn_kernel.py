@@ -44,6 +44,26 @@ def test_rule_matches_transformers(dtype, l2):
     assert torch.equal(state, _inputs(dtype)[5])
 
 
+@pytest.mark.parametrize("T", [5, 70])
+def test_a_prefills_rule_is_the_chunked_rule_token_by_token(T):
+    """In a prefill gdn.c's recurrence takes the chunked rule's name (models/delta_net.py):
+    the chunked rule's result to float32 rounding, across its 64-token chunks, and bit for
+    bit the recurrence of one-token steps over the same tokens."""
+    chunked = gdn_kernel.delta_rule(Q.torch_chunk_gated_delta_rule)
+    q, k, v, decay, beta, state = _inputs(torch.float32, T=T)
+    for init in (state, None):
+        want, want_s = Q.torch_chunk_gated_delta_rule(q, k, v, g=decay, beta=beta, initial_state=init,
+                                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+        got, got_s = chunked(q, k, v, g=decay, beta=beta, initial_state=init, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, chunk_size=64)
+        assert got.shape == want.shape and got_s.shape == want_s.shape
+        assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item())
+        assert torch.allclose(got_s, want_s, atol=1e-4 * want_s.abs().max().item())
+        steps, steps_s = RULE(q, k, v, g=decay, beta=beta, initial_state=init, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
+        assert torch.equal(got, steps) and torch.equal(got_s, steps_s)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tokens_in_one_call_are_one_token_calls(dtype, threads):
@@ -105,9 +125,11 @@ def test_an_engine_calls_it_inside_its_own_passes_only(tmp_path, tokenizer):
     model = eng.target.impl.model
     layer = next(m for m in model.modules() if hasattr(m, "A_log"))
     seen = []
-    layer.register_forward_pre_hook(lambda m, a: seen.append(Q.torch_recurrent_gated_delta_rule))
-    list(eng.chat().send("Why is the sky blue?", max_new_tokens=4))
-    assert seen and all(f is not Q.torch_recurrent_gated_delta_rule for f in seen)
-    # outside the engine's passes, transformers' own function again
+    layer.register_forward_pre_hook(lambda m, a: seen.append((Q.torch_recurrent_gated_delta_rule,
+                                                               Q.torch_chunk_gated_delta_rule)))
+    list(eng.chat().send("Why is the sky blue?", max_new_tokens=4))       # a prefill, then steps
+    assert seen and all(f.__module__ != Q.__name__ for fns in seen for f in fns)
+    # outside the engine's passes, transformers' own functions again
     assert Q.torch_recurrent_gated_delta_rule.__module__ == Q.__name__
+    assert Q.torch_chunk_gated_delta_rule.__module__ == Q.__name__
     assert Q.causal_conv1d_update.__module__ == Q.__name__
