@@ -96,8 +96,8 @@ def peers_table(d: dict) -> str:
 
 
 def main() -> None:
-    for name, render in (("peers.json", peers_table), ("peers-xeon.json", peers_table), ("decode.json", decode_table), ("speculative.json", speculative_table),
-                         ("speculative-bf16.json", speculative_table),
+    for name, render in (("peers.json", peers_table), ("peers-xeon.json", peers_table), ("decode.json", decode_table),
+                         ("speculative.json", speculative_table), ("speculative-bf16.json", speculative_table),
                          ("speculative-self-int4.json", speculative_table), ("streamed.json", streamed_table)):
         path = RESULTS / name
         if path.is_file():

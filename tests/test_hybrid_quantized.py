@@ -111,8 +111,8 @@ def test_profiles_through_open(hybrid, tmp_path):
 def test_only_steps_and_verify_passes_take_lone_rows(hybrid, tmp_path, monkeypatch, fmt):
     """A packed matrix's product asks for lone rows (each row as a one-token step computes
     it: the matrix-vector kernels) in one-token steps and verify passes, whose rows
-    speculation compares, and not in a prefill, which takes the GEMM path; the prefill's
-    logits are then the verify pass's up to rounding."""
+    speculation compares, and not in a prefill, which takes the GEMM path: the same logits
+    as a prefill in lone rows, up to the order of float32 sums."""
     q = load_quantized(hybrid, CPU, fmt, act_dtype=torch.float32, cache_dir=tmp_path)
     asked = []
     for cls in (qweights.Int8Weight, qweights.Int4Weight):
