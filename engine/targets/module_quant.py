@@ -27,6 +27,12 @@ from ..errors import BadRequest, CheckpointError, UnsupportedModel
 from . import qweights
 from .qcache import QuantCache
 
+def _lone_rows(passes, rows: int) -> bool:
+    """Whether a packed product of `rows` rows must compute each as a lone row (see
+    PackedLinear.row_passes)."""
+    return passes is None or rows == 1 or passes.lone_rows()
+
+
 class PackedLinear(nn.Module):
     """nn.Linear's forward over a packed weight (any leading shape, as nn.Linear takes)."""
     # The forward whose pass says whether this product's rows must be lone rows (a step or a
@@ -46,8 +52,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        lone = self.row_passes is None or x2.shape[0] == 1 or self.row_passes.lone_rows()
-        y = self.w.mm(x2, self.bias, lone_rows=lone)
+        y = self.w.mm(x2, self.bias, lone_rows=_lone_rows(self.row_passes, x2.shape[0]))
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -95,7 +100,7 @@ class PackedExperts(nn.Module):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
-        lone = self.row_passes is None or hidden_states.shape[0] == 1 or self.row_passes.lone_rows()
+        lone = _lone_rows(self.row_passes, hidden_states.shape[0])
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
