@@ -11,6 +11,7 @@ import torch
 
 from . import checkpoint as _checkpoint
 from . import kernels, planner
+from .kernels import gemm
 from .drafters import ModelDrafter, MtpDrafter, NgramDrafter, NoDrafter, check_compatible
 from .cache import RecurrentCache
 from .errors import BadRequest, CheckpointError
@@ -134,7 +135,7 @@ class Engine:
             c, t = self.target.cache, self.target
             how = [self.plan.chosen if self.plan else None, _weights_label(t), t.kind, str(self.dtype),
                    str(self.device), kernels.note(self.dtype) if self.device.type == "cpu" else "",
-                   type(c).__name__, c.layers, c.kv_heads, c.head_dim, str(c.dtype)]
+                   _prefill_gemm(self), type(c).__name__, c.layers, c.kv_heads, c.head_dim, str(c.dtype)]
             self._resume_key = (source_identity(self.checkpoint.path)[:16],
                                 hashlib.sha256(json.dumps(how).encode()).hexdigest()[:8])
         return self._resume_key
@@ -163,6 +164,8 @@ class Engine:
                 "verify_rows": getattr(getattr(t, "impl", None), "rows", None) and t.impl.rows.reason,
                 # the instruction set the C kernels were built for here (engine/kernels/row_kernel.py)
                 "kernels": kernels.note(self.dtype) if self.device.type == "cpu" else "not on this device",
+                # a float32 prefill's products: gemm.c's or torch's (engine/kernels/gemm.py)
+                **({"prefill_gemm": g} if (g := _prefill_gemm(self)) else {}),
                 # why one-token steps do not run the layer kernel ("" when they do)
                 "layer_kernel": getattr(getattr(t, "impl", None), "layer_kernel_note", "not this forward"),
                 # a mixture of experts: whether its routed experts run in the kernel (models/moe.py)
@@ -194,6 +197,11 @@ def _can_draft(target) -> bool:
     recurrent one when every recurrent layer has a replay (engine/models/replay.py)."""
     cache = target.cache
     return not isinstance(cache, RecurrentCache) or len(cache.replays) == len(cache.states) > 0
+
+
+def _prefill_gemm(eng) -> str:
+    """Which GEMM a float32 CPU engine's prefill products run ('' for other engines)."""
+    return gemm.note() if eng.device.type == "cpu" and eng.dtype == torch.float32 else ""
 
 
 def _weights_label(target) -> str:

@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..cache import KVCache
-from ..kernels import row_kernel
+from ..kernels import gemm, row_kernel
 from . import delta_net, hybrid_layers, moe, replay, rows
 from .llama_family import ALIGN_BYTES, aligned
 
@@ -104,13 +104,16 @@ def _padded_linear(m: torch.nn.Linear):
 
 def _kernel_linear(m: torch.nn.Linear, forward_of, fwd):
     """m's forward through the row kernel for the passes whose rows must be a one-token
-    step's (fwd._row_kernel), else `forward_of` (torch's, padded where needed)."""
+    step's (fwd._row_kernel); a prefill's float32 products through gemm.c where it runs
+    (kernels/gemm.py); else `forward_of` (torch's, padded where needed)."""
     def forward(x: torch.Tensor) -> torch.Tensor:
         T = x.numel() // x.shape[-1]
+        x2, w_t = x.reshape(T, x.shape[-1]), m.weight.t()
         if fwd._row_kernel(T):
-            x2, w_t = x.reshape(T, x.shape[-1]), m.weight.t()
             if row_kernel.fits(x2, w_t, m.bias):
                 return row_kernel.linear(x2, w_t, m.bias).view(*x.shape[:-1], -1)
+        elif gemm.fits(x2, w_t, m.bias):
+            return gemm.f32(x2, w_t, m.bias).view(*x.shape[:-1], -1)
         return forward_of(x)
     return forward
 
