@@ -289,7 +289,7 @@ def _kernel_text() -> str:
         isa = kernels.instruction_sets()
         built = ", ".join(f"{d} {ISA_NAMES[isa[d]]}" for d in ready)
         lines.append(f"Row kernels ({built}): one-token steps and verify passes run localchat's own "
-                     "products, built here; prefill runs torch's")
+                     "products, built here")
     lines += [f"Row kernel ({d}): not used, {why}; torch's kernels instead" for d, why in rows.items() if why]
     layers = by_dtype("layers")
     ready = [d for d, why in layers.items() if not why]
@@ -305,6 +305,9 @@ def _kernel_text() -> str:
         why = st[name]
         lines.append(f"{name.capitalize()} kernel: {ready_text}" if not why
                      else f"{name.capitalize()} kernel: not used, {why}; {instead} instead")
+    from engine.kernels import gemm
+    bf16 = "torch's" if gemm.native_bf16() else "widened to float32, then the float32 one"
+    lines.append(f"Prefill products: float32 {gemm.note()}; bfloat16 {bf16}")
     from engine import openmp
     lines.append(openmp.describe())
     return "\n".join(lines)

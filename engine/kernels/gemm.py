@@ -84,9 +84,9 @@ def own_f32() -> bool:
 def note() -> str:
     """Which GEMM a prefill's float32 products run, for Engine.describe()."""
     if own_f32():
-        return "gemm.c"
+        return "localchat's own (gemm.c)"
     why = why_not()
-    return f"torch's ({why})" if why else "torch's (MKL, on Intel)"
+    return f"torch's ({why})" if why else "torch's (MKL, the faster on Intel)"
 
 
 def fits(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> bool:
