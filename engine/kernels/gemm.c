@@ -8,10 +8,11 @@
  * and weight. No horizontal sums, and the weight is read where it lies ([N, K], as nn.Linear
  * holds it): nothing of it is copied or reordered. A thread owns whole column blocks, so
  * the weight rows of a block are read from memory once for all the rows packed at once
- * (up to XT_BYTES of them) and stay in cache across their tiles.
+ * (TILES tiles) and stay in cache across their tiles.
  *
- * Rows are summed over K in order, one FMA chain per output: a row's result does not
- * depend on the thread count, but it is not rows.c's (a prefill's rows need not be). */
+ * Each output is one FMA chain over K in order, from zero: a row's result depends neither on
+ * the rows beside it nor on the thread count, but it is not rows.c's (a prefill's rows need
+ * not be). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
