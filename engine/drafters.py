@@ -107,7 +107,12 @@ class ModelDrafter:
         # next proposal's rollback to what the target accepted replays only those.
         with self.target.cache.record():
             for _ in range(k):
-                logits = self.target.forward(feed)[-1]
+                # all logits: a pass of two tokens (a fully accepted round's last draft and the
+                # target's own) is then a verify pass, every row of it a lone row, so the
+                # drafter's state is what one-token steps would have made it (a prefill's
+                # products may round rows apart, and a drafter that drifts from its target's
+                # numbers proposes what the target rejects)
+                logits = self.target.forward(feed, all_logits=len(feed) > 1)[-1]
                 self.ids.extend(feed)
                 tok = _draw(_fit_vocab(logits, self.vocab), params, gen, dists)
                 tokens.append(tok)
