@@ -5,9 +5,9 @@ A layer's forward calls the conv update and the recurrence (and in a prefill the
 rule) by their names in its modeling module, so the C versions take those names while one
 of our passes runs, and only then: a model of the same class outside the engine (a test's
 reference) keeps transformers' functions. The swap counts the passes in flight (an
-engine's worker thread and another's) and puts the names back when the last one ends. The replay of accepted updates reads the
-same functions from the layer (replay._fns), so a one-token step, a verify pass and a
-replay run the same code."""
+engine's worker thread and another's) and puts the names back when the last one ends. The
+replay of accepted updates reads the same functions from the layer (replay._fns), so a
+one-token step, a verify pass and a replay run the same code."""
 from __future__ import annotations
 
 import sys

@@ -27,6 +27,7 @@ from ..errors import BadRequest, CheckpointError, UnsupportedModel
 from . import qweights
 from .qcache import QuantCache
 
+
 def _lone_rows(passes, rows: int) -> bool:
     """Whether a packed product of `rows` rows must compute each as a lone row (see
     PackedLinear.row_passes)."""
