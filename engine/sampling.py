@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import BadRequest
+from .kernels import layer_kernel
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ def next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generato
     """One token from the logits of one position ([vocab] or [1, vocab])."""
     logits = logits.reshape(-1)
     if params.greedy:
+        if logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous():
+            got = layer_kernel.argmax(logits)
+            if got is not None:
+                return got
         return int(torch.argmax(logits))
     return int(torch.multinomial(probabilities(logits, params), 1, generator=gen))
 

@@ -170,3 +170,76 @@ def test_an_int4_model_decodes_eagerly_through_the_kernel(tiny_llama, tmp_path):
     eng, fwd = _open(tiny_llama, "int4", tmp_path)
     assert all(getattr(w, name).canonical for w in fwd.layers for name in layer_kernel.MATRICES)
     assert eng.describe()["layer_kernel"] == ""
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory, tokenizer):
+    return build_model(tmp_path_factory.mktemp("tied"), "llama", layers=2, tokenizer=tokenizer, seed=9, tie=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_whole_pass_in_one_call_is_the_layers_then_the_head(model_path, dtype, tmp_path):
+    """A step or verify pass runs ids to logits in one call of C (embedding, layers, final
+    norm, head): its logits are, bit for bit, those of the stack of layers followed by the
+    final norm and the head's own product, as a streamed target computes them."""
+    _whole_against_apart(*_open(model_path, dtype, tmp_path))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_tied_int8_table_is_embedded_in_the_same_call(tied_llama, dtype, tmp_path):
+    """A quantized profile holds a tied table in int8 (the head's format): the pass reads
+    its embedding rows from it as Int8Weight.rows dequantizes them."""
+    eng, fwd = _open(tied_llama, dtype, tmp_path)
+    assert fwd._stack.embed is not None and fwd._stack.embed.group == -1
+    _whole_against_apart(eng, fwd)
+
+
+def _whole_against_apart(eng, fwd):
+    t, stack = eng.target, fwd._stack
+    assert stack.has_head and stack.embed is not None
+    ids = list(range(7, 60))
+    with torch.inference_mode():
+        t.forward(ids[:20])
+        at = t.cache.length
+        for width, all_logits in ((1, False), (5, True), (17, True), (4, False)):
+            t.cache.length = at
+            whole = t.forward(ids[20:20 + width], all_logits=all_logits)
+            t.cache.length = at
+            head, stack._head = stack._head, None       # the layers in C, then norm and head apart
+            try:
+                apart = t.forward(ids[20:20 + width], all_logits=all_logits)
+            finally:
+                stack._head = head
+            assert whole.shape == (width if all_logits else 1, t.vocab_size)
+            assert torch.equal(whole, apart), width
+
+
+def test_an_id_outside_the_vocabulary_is_refused_as_torch_refuses_it(tiny_llama):
+    needs("float32")
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
+    t = eng.target
+    with torch.inference_mode():
+        t.forward(list(range(3, 10)))
+        with pytest.raises(IndexError):
+            t.forward([t.vocab_size + 5])
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 33, 49152])
+def test_argmax_is_torchs(n):
+    needs("float32")
+    g = torch.Generator().manual_seed(n)
+    cases = [torch.randn(n, generator=g), torch.zeros(n), torch.full((n,), float("-inf"))]
+    x = torch.randint(-3, 3, (n,), generator=g).float()           # ties: the first of equals
+    cases.append(x)
+    if n > 2:
+        y = torch.randn(n, generator=g)
+        y[n // 2] = float("nan")
+        y[n - 1] = float("nan")
+        cases.append(y)                                            # a NaN is the largest
+        z = torch.randn(n, generator=g)
+        z[n - 1] = 1e9                                             # the largest in the tail
+        cases.append(z)
+        cases.append(torch.randn(n, generator=g)[1:])              # not 64-byte aligned
+    for x in cases:
+        x = x.contiguous()
+        assert layer_kernel.argmax(x) == int(torch.argmax(x)), x

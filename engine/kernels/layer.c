@@ -116,3 +116,34 @@ static inline void silu16(const float *g, float *out) {
 #include "moe_body.h"
 #include "hybrid_body.h"
 #endif
+
+/* The index of the largest of n floats, the first of equals; a NaN is larger than any number
+ * (the first NaN's index), as torch.argmax. A greedy step's next token, without the torch
+ * operation's cold start after a pass (layer_body.h's tail says why that matters). */
+int64_t argmax_f32(const float *x, int64_t n) {
+    int64_t i = 0, full = n - n % VL;
+    vf best = vf_set1(-INFINITY);
+    int nan = 0;
+    for (; i < full; i += VL) {
+        vf v = vf_load(x + i);
+        nan |= vf_any_nan(v);
+        best = vf_max(best, v);
+    }
+    if (nan)
+        for (int64_t j = 0; j < n; j++)
+            if (x[j] != x[j]) return j;
+    float lanes[VL], m = -INFINITY;
+    vf_store(lanes, best);
+    for (int k = 0; k < VL; k++) m = lanes[k] > m ? lanes[k] : m;
+    for (int64_t j = full; j < n; j++) {
+        if (x[j] != x[j]) return j;
+        m = x[j] > m ? x[j] : m;
+    }
+    for (int64_t j = 0; j < full; j += VL) {
+        unsigned bits = vf_eq_bits(vf_load(x + j), m);
+        if (bits) return j + __builtin_ctz(bits);
+    }
+    for (int64_t j = full; j < n; j++)
+        if (x[j] == m) return j;
+    return 0;      /* n == 0 */
+}

@@ -160,3 +160,55 @@ void FN(layers)(const LayerWeights *w, int count, const LayerShape *s, ELEM *h, 
                 const ELEM *cos, const ELEM *sin, void *scratch, int threads) {
     for (int i = 0; i < count; i++) FN(layer)(w + i, s, h, T, pos, cos, sin, scratch, threads);
 }
+
+/* `rows` rows of RMSNorm with the weight w, as the layers' norms compute it: the final norm
+ * of a pass the layers ran in this file, so its bits are the same whichever forward ran them */
+void FN(rms_rows)(const ELEM *x, const ELEM *w, ELEM *out, int rows, int n, float eps) {
+    for (int r = 0; r < rows; r++) FN(rms)(x + (int64_t)r * n, w, out + (int64_t)r * n, n, eps);
+}
+
+int64_t FN(tail_scratch_bytes)(int rows, int hid, int vocab) {
+    return (int64_t)rows * hid * (int64_t)sizeof(ELEM) + 64 + (int64_t)rows * vocab * (int64_t)sizeof(ELEM) + 64
+           + (int64_t)rows * hid * 4 + (int64_t)rows * (hid / 32) * 4 + 256 + 64;
+}
+
+/* A pass's last step for the `rows` rows at h [rows, hid]: the final RMSNorm (rms_rows), the
+ * output head's product in the dtype (rows.c's, q8.c's or q4.c's, as for a layer's matrix),
+ * widened to float32 logits [rows, vocab]. One call: between the last layer and the logits a
+ * decode step runs no torch operation, each of which, after the layers have streamed the
+ * weights through the caches, cost a cold start of 100-300 us on the development Xeon. */
+void FN(tail)(const ELEM *h, int rows, int hid, const ELEM *norm, float eps, const Mat *head, int vocab,
+              float *logits, void *scratch, int threads) {
+    ELEM *x = (ELEM *)scratch;
+    ELEM *y = (ELEM *)(((uintptr_t)(x + (int64_t)rows * hid) + 63) & ~(uintptr_t)63);
+    void *q4s = (void *)(((uintptr_t)(y + (int64_t)rows * vocab) + 63) & ~(uintptr_t)63);
+    FN(rms_rows)(h, norm, x, rows, hid, eps);
+    if (sizeof(ELEM) == sizeof(float)) y = (ELEM *)logits;        /* float32: the product is the logits */
+    FN(product)(x, hid, head, NULL, y, vocab, rows, vocab, hid, q4s, threads);
+    if ((void *)y != (void *)logits)
+        for (int64_t i = 0; i < (int64_t)rows * vocab; i++) logits[i] = LD(y[i]);
+}
+
+/* A whole one-token step or verify pass: the rows of the embedding table at ids (or h as
+ * given, where ids is NULL) into h [T, hidden], every layer at positions pos .. pos+T-1 (cos
+ * and sin: the rotary tables from position 0), then the tail for the last `rows` rows. One
+ * call from Python a pass, for the same reason as the tail. The table is dense in the dtype
+ * or per-channel int8 (a quantized profile's tied head), whose row is code * scale rounded
+ * to the dtype, as qweights.Int8Weight.rows computes it. */
+void FN(pass)(const LayerWeights *w, int count, const LayerShape *s, const int64_t *ids, const Mat *embed,
+              ELEM *h, int T, int pos, const ELEM *cos, const ELEM *sin, void *scratch, int threads,
+              const ELEM *norm, const Mat *head, int vocab, int rows, float *logits, void *tail_scratch) {
+    const int hid = s->hidden, D = s->head_dim;
+    for (int r = 0; ids && r < T; r++) {
+        ELEM *row = h + (int64_t)r * hid;
+        if (embed->group == 0) {
+            memcpy(row, (const ELEM *)embed->w + ids[r] * hid, (size_t)hid * sizeof(ELEM));
+        } else {
+            const int8_t *q = (const int8_t *)embed->w + ids[r] * hid;
+            float scale = LD(((const ELEM *)embed->scale)[ids[r]]);
+            for (int i = 0; i < hid; i++) row[i] = ST((float)q[i] * scale);
+        }
+    }
+    FN(layers)(w, count, s, h, T, pos, cos + (int64_t)pos * D, sin + (int64_t)pos * D, scratch, threads);
+    FN(tail)(h + (int64_t)(T - rows) * hid, rows, hid, norm, s->eps, head, vocab, logits, tail_scratch, threads);
+}

@@ -42,6 +42,9 @@ static inline vf vf_scale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
 static inline vf vf_select_nonneg(vf a, vf yes, vf no) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GE_OQ), no, yes);
 }
+static inline int vf_any_nan(vf v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+/* a bit per lane equal to a (lane i: bit i) */
+static inline unsigned vf_eq_bits(vf v, float a) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(a), _CMP_EQ_OQ); }
 /* n (<= 16) int8 values at p as float lanes, the rest 0 */
 static inline vf vf_from_i8(const int8_t *p, int n) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(vf_mask(n), p)));
@@ -85,6 +88,10 @@ static inline vf vf_scale2(vf p, vf n) {
 }
 static inline vf vf_select_nonneg(vf a, vf yes, vf no) {
     return _mm256_blendv_ps(no, yes, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
+static inline int vf_any_nan(vf v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+static inline unsigned vf_eq_bits(vf v, float a) {
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(a), _CMP_EQ_OQ));
 }
 static inline vf vf_from_i8(const int8_t *p, int n) {
     int64_t b = 0;

@@ -98,6 +98,7 @@ def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None, pad: bool = 
 
 
 class LlamaFamilyForward(rows.KernelPasses):
+    takes_lists = True                 # ids as a list of ints, or a tensor
     _stack: layer_kernel.LayerStack | None = None
     # A forward whose weights come and go (streamed): each layer's step in the same C
     # call, one layer at a time, so its bits are the whole stack's.
@@ -185,17 +186,22 @@ class LlamaFamilyForward(rows.KernelPasses):
     # -- rotary table: the reference computes cos/sin per call; a table of the same
     # values (same function, same positions) avoids that work on every step.
     def _rope(self, pos: int, n: int, like: torch.Tensor):
-        need = pos + n
+        self._rope_table(pos + n, like)
+        return self._cos[pos:pos + n], self._sin[pos:pos + n]
+
+    def _rope_table(self, need: int, like: torch.Tensor | None = None) -> None:
+        """The tables [size, head_dim] (contiguous, in the cache's dtype) cover positions < need."""
         if self._cos is None or self._cos.shape[0] < need:
             size = max(need, 2 * (0 if self._cos is None else self._cos.shape[0]), 1024)
+            if like is None:
+                like = torch.empty(0, dtype=self.cache.dtype, device=self.cache.device)
             ids = torch.arange(size, device=like.device).unsqueeze(0)
             cos, sin = self.rotary(like, ids)
             # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2) exactly (a sign flip
             # rounds nothing), which saves negating x on every layer.
             half = sin.shape[-1] // 2
-            self._cos = cos[0]
+            self._cos = cos[0].contiguous()
             self._sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
-        return self._cos[pos:need], self._sin[pos:need]
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and w.dtype == torch.float32 and self._fused_rms.get(x.shape[-1]):
@@ -249,12 +255,28 @@ class LlamaFamilyForward(rows.KernelPasses):
     def _output(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.head, pad=self._pad, kernel=self._row_kernel(x.shape[0]))
 
-    def __call__(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor | list[int], pos: int, all_logits: bool) -> torch.Tensor:
+        T = len(ids) if isinstance(ids, list) else ids.shape[-1]
+        self._begin_pass(T, all_logits)
+        stack = self._stack
+        if stack is not None and stack.has_head and self._row_kernel(T) and not torch.compiler.is_compiling():
+            # The whole pass in one call of C, ids to logits: after the layers have streamed
+            # the weights through the caches, every torch operation of a step starts cold.
+            self._rope_table(pos + T)
+            rows = T if all_logits else 1
+            if isinstance(ids, torch.Tensor):
+                ids = ids.view(T).tolist()
+            if stack.embed is not None and all(0 <= i < stack.vocab for i in ids):
+                out = stack.logits(self.cache, ids, None, pos, self._cos, self._sin, rows)
+            else:
+                out = stack.logits(self.cache, None, self._embed(torch.tensor(ids)), pos, self._cos, self._sin, rows)
+            if out is not None:
+                return out
+        if isinstance(ids, list):
+            ids = torch.tensor(ids, dtype=torch.long, device=self.cache.device)
         # Hidden states stay 2-D [T, hidden]: a [1, T, hidden] input makes every linear
         # reshape on the way in and out, which is measurable at batch 1.
-        T = ids.shape[-1]
         D = self.head_dim
-        self._begin_pass(T, all_logits)
         h = self._embed(ids.view(T))
         cos, sin = self._rope(pos, T, h)
         cos, sin = cos.view(1, T, D), sin.view(1, T, D)
@@ -271,19 +293,26 @@ class LlamaFamilyForward(rows.KernelPasses):
         out = None
         if self._stack is not None and self._row_kernel(T) and not torch.compiler.is_compiling():
             out = self._stack(self.cache, h, pos, cos[0], sin[0])
-        if out is not None:
+        in_c = out is not None        # every layer ran in layer.c: so does the final norm
+        if in_c:
             h = out
         else:
             one = self._one if self._row_kernel(T) and not torch.compiler.is_compiling() else None
+            in_c = one is not None
             for i, w in enumerate(self.iter_layers()):
                 if one is not None and self._one_fits is None:     # every slot's views share one layout
                     self._one_fits = not layer_kernel.why_not_weights([w], self.cache.dtype)
                 if one is not None and self._one_fits and one.layer(self.cache, i, w, h, pos, cos[0], sin[0]):
                     continue
+                in_c = False
                 h = self._layer(i, w, h, pos, cos, sin, mask, causal, rowwise)
         if not all_logits:
             h = h[-1:]
-        return self._output(self._rms(h, self.norm)).float()
+        # Where the layers ran in C the final norm is layer.c's too, so a streamed target's
+        # logits are the resident stack's bit for bit (its tail computes the same norm).
+        stack = self._stack if self._stack is not None else self._one
+        x = stack.norm(h, self.norm) if in_c else self._rms(h, self.norm)
+        return self._output(x).float()
 
     def _layer(self, i: int, w: LayerWeights, h: torch.Tensor, pos: int, cos, sin, mask, causal: bool,
                rowwise: bool) -> torch.Tensor:
