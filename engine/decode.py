@@ -3,7 +3,7 @@ gpt-fast's generate.py; the loop that uses them is in speculative.py.
 
     prefill(target, ids)              run the new prompt tokens, logits of the last one
     prefill_chunks(target, ids)       the same in chunks, for progress and cancelling between them
-    decode_one_token(target, token)   one step: feed the last token, logits of the next
+    decode_one_token(target, token)   one step: feed the last token, logits of the next ([1, vocab])
 
 A prefill runs in chunks of at most PREFILL_CHUNK tokens: its activations (and attention
 scores over the context) are bounded by a chunk, which the planner counts, and an answer
@@ -39,4 +39,6 @@ def prefill_chunks(target, ids: list[int]) -> Iterator[tuple[int, torch.Tensor |
 
 
 def decode_one_token(target, token: int) -> torch.Tensor:
-    return target.forward([token])[-1]
+    """The logits of the next token, [1, vocab] as the target returns them (no indexing: a
+    torch operation after a pass starts cold, layer_kernel.py says why)."""
+    return target.forward([token])

@@ -74,12 +74,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
     """One token from the logits of one position ([vocab] or [1, vocab])."""
+    if params.greedy and logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous():
+        got = layer_kernel.argmax(logits)         # one position: its numel is the vocabulary
+        if got is not None:
+            return got
     logits = logits.reshape(-1)
     if params.greedy:
-        if logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous():
-            got = layer_kernel.argmax(logits)
-            if got is not None:
-                return got
         return int(torch.argmax(logits))
     return int(torch.multinomial(probabilities(logits, params), 1, generator=gen))
 

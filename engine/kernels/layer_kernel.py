@@ -298,8 +298,13 @@ class LayerStack:
         hidden = self._shape[0]
         threads = torch.get_num_threads()
         me = self._mine
-        need = self._size(ctypes.addressof(shape), T, pos + T, threads)
-        tail_need = self._tail_size(rows, hidden, vocab)
+        # sized for a context as long as the cache holds, so a step asks C once per shape
+        key = (T, rows, shape.capacity, threads)
+        sizes = me.__dict__.setdefault("sizes", {})
+        if key not in sizes:
+            sizes[key] = (self._size(ctypes.addressof(shape), T, shape.capacity, threads),
+                          self._tail_size(rows, hidden, vocab))
+        need, tail_need = sizes[key]
         scratch = getattr(me, "scratch", None)
         if scratch is None or scratch.numel() < need + tail_need:
             scratch = me.scratch = torch.empty(2 * (need + tail_need), dtype=torch.uint8)
