@@ -4,10 +4,12 @@ float32: gemm.c's kernel on CPUs other than Intel's, where it builds (the row ke
 instruction set), else torch's (MKL). MKL's float32 GEMM takes a slower path off Intel: on the
 2-core AMD EPYC, at 44 rows, the demo model's products ran at 126-148 GFLOP/s through it and
 at 154-192 through gemm.c, Qwen3-1.7B's at 86-121 against 164-191 (medians, one run); the
-demo's float32 prefill went from 444 to 620 tok/s. On the 2-core Intel Xeon MKL ran the
-demo's products at 245 GFLOP/s, faster than this EPYC's gemm.c, so torch's stays on Intel
-(gemm.c is not measured there). `LOCALCHAT_GEMM_KERNEL=on` uses gemm.c on any CPU it builds
-for (the tests do), `=off` nowhere.
+demo's float32 prefill went from 444 to 620 tok/s. On Intel MKL takes its fast path, and
+stays: on the 2-core Xeon, gemm.c against MKL in total over the demo's products was 0.97x at
+44 rows and 0.90x at 200, over Qwen3-1.7B's 1.45x and 0.72x; held to AVX2, 0.69x / 0.88x
+and 1.12x / 0.85x (medians, one run each) — a prefill chunk is usually far wider than 44
+rows. `LOCALCHAT_GEMM_KERNEL=on` uses gemm.c on any CPU it builds for (the tests do), `=off`
+nowhere.
 
 bfloat16: torch's bf16 GEMM where the CPU has bfloat16 instructions, and elsewhere the same
 product in float32 (the float32 GEMM above), the weight widened block by block into a reused
