@@ -41,9 +41,13 @@ class KVCache:
         if need > self.max_positions:
             raise ContextFull(f"the conversation needs {need} tokens but the model's context holds "
                               f"{self.max_positions}; start a new chat")
-        if need > self.capacity:
+        self.grow_to(need)
+
+    def grow_to(self, positions: int) -> None:
+        """Hold at least `positions` (<= max_positions), doubling the capacity as needed."""
+        if positions > self.capacity:
             cap = self.capacity
-            while cap < need:
+            while cap < positions:
                 cap *= 2
             self._allocate(min(cap, self.max_positions))
 

@@ -45,6 +45,10 @@ class Engine:
         if isinstance(target.cache, RecurrentCache):
             # a verify pass records up to max_draft + 1 positions per recurrent layer (replay.py)
             target.cache.replay_capacity = max_draft + 1
+        # on a GPU, steps and verify passes as one compiled graph as wide as the widest verify pass
+        use_graph = getattr(getattr(target, "impl", None), "use_graph_step", None)
+        if use_graph is not None:
+            use_graph(max_draft + 1)
         self.draft_tokens = draft_tokens       # a fixed k; None = adaptive
         self.costs = PassCosts()               # measured by every chat, shared by all
         self.drafter_note = ""                 # why the drafter is not the one asked for
@@ -168,6 +172,8 @@ class Engine:
                 **({"prefill_gemm": g} if (g := _prefill_gemm(self)) else {}),
                 # why one-token steps do not run the layer kernel ("" when they do)
                 "layer_kernel": getattr(getattr(t, "impl", None), "layer_kernel_note", "not this forward"),
+                # on a GPU: whether steps and verify passes run as one compiled graph (models/graph_step.py)
+                **({"graph_step": note} if (note := _graph_note(self)) else {}),
                 # a mixture of experts: whether its routed experts run in the kernel (models/moe.py)
                 **({"experts": note} if (note := _experts_note(self)) else {}),
                 # a hybrid: whether its gated delta-net layers step in C (models/delta_net.py)
@@ -177,6 +183,13 @@ class Engine:
                 **({"hybrid_layers": note} if (note := getattr(getattr(t, "impl", None), "hybrid_note", ""))
                    else {}),
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
+
+
+def _graph_note(eng) -> str:
+    """'' off a GPU; there, whether steps and verify passes run as one compiled graph."""
+    impl = getattr(eng.target, "impl", None)
+    graph = getattr(impl, "_graph", None)
+    return f"compiled, {graph.width} rows a pass" if graph is not None else getattr(impl, "graph_note", "")
 
 
 def _experts_note(eng) -> str:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..cache import KVCache
 from ..kernels import layer_kernel
-from . import norms, rows
+from . import graph_step, norms, rows
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 # Passes of up to this many tokens after position 0 attend row by row (see _attend_rowwise).
@@ -105,6 +105,8 @@ class LlamaFamilyForward(rows.KernelPasses):
     _one: layer_kernel.LayerStack | None = None
     _one_fits: bool | None = None      # whether its layers' views are laid out as layer.c reads them (one layout)
     layer_kernel_note = "the weights are not held by this forward"
+    _graph: graph_step.GraphStep | None = None
+    graph_note = ""                    # why steps do not run the graph step, where it was asked for
     def __init__(self, model, cache: KVCache):
         inner = model.model
         self._setup(model.config, cache, inner.rotary_emb, inner.layers[0].self_attn.scaling)
@@ -124,6 +126,15 @@ class LlamaFamilyForward(rows.KernelPasses):
                                   else "the row kernel does not run here")
         if not self.layer_kernel_note:
             self._stack = layer_kernel.LayerStack(self, self.cache.dtype)
+
+    def use_graph_step(self, width: int) -> None:
+        """One-token steps and verify passes of up to `width` rows as one compiled graph, where
+        graph_step.wanted() this device (a GPU); graph_note says why not where it was wanted."""
+        if not graph_step.wanted(self.cache.device):
+            return
+        self.graph_note = graph_step.why_not(self) if self.layers else "the weights are not held by this forward"
+        if not self.graph_note:
+            self._graph = graph_step.GraphStep(self, width)
 
     def _setup(self, cfg, cache: KVCache, rotary, scaling: float) -> None:
         """The shape constants and tables every variant of this forward needs (targets that
@@ -258,6 +269,10 @@ class LlamaFamilyForward(rows.KernelPasses):
     def __call__(self, ids: torch.Tensor | list[int], pos: int, all_logits: bool) -> torch.Tensor:
         T = len(ids) if isinstance(ids, list) else ids.shape[-1]
         self._begin_pass(T, all_logits)
+        graph = self._graph
+        if (graph is not None and T <= graph.width and (T == 1 or all_logits)
+                and pos + graph.width <= self.cache.max_positions and not torch.compiler.is_compiling()):
+            return graph(ids.view(T).tolist() if isinstance(ids, torch.Tensor) else ids, pos, T if all_logits else 1)
         stack = self._stack
         if stack is not None and stack.has_head and self._row_kernel(T) and not torch.compiler.is_compiling():
             # The whole pass in one call of C, ids to logits: after the layers have streamed

@@ -1,0 +1,80 @@
+"""The graph step (engine/models/graph_step.py): a GPU's one-token steps and verify passes
+as one compiled function of static shapes. It is meant for CUDA graphs; here torch.compile
+runs the same graph on the CPU (LOCALCHAT_GRAPH_STEP=on), so what it guarantees by
+construction is checked bit for bit: a verify pass's rows are one-token steps, so greedy
+speculation is plain greedy; and what it computes, against transformers' generate()."""
+import pytest
+import torch
+
+import engine
+from engine.session import render_prompt
+from tiny import build_model
+
+
+@pytest.fixture(scope="module")
+def graph_engine(tmp_path_factory, tokenizer):
+    """A tiny Qwen3 (q/k norms) in float32 with the graph step forced on; compiled once, on
+    its first step (about half a minute on the 2-core machine)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCALCHAT_GRAPH_STEP", "on")
+    try:
+        path = build_model(tmp_path_factory.mktemp("graph"), "qwen3", layers=2, tokenizer=tokenizer, seed=4)
+        eng = engine.open(str(path), dtype="float32", drafter="ngram", draft_tokens=4)
+    finally:
+        mp.undo()
+    yield path, eng
+    # What torch.compile started ends with the module: inductor's compile workers, and the
+    # thread of torch's prefetch pool (a module-level executor; a fresh one starts its thread
+    # only when next used).
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.utils._functools as prefetch
+    from torch._inductor.async_compile import shutdown_compile_workers
+    shutdown_compile_workers()
+    prefetch._prefetch_executor.shutdown(wait=True)
+    prefetch._prefetch_executor = ThreadPoolExecutor(max_workers=2)
+
+
+def test_it_runs_where_asked_and_says_so(graph_engine):
+    _, eng = graph_engine
+    assert eng.target.impl._graph is not None and eng.target.impl._graph.width == eng.max_draft + 1
+    assert eng.describe()["graph_step"] == f"compiled, {eng.max_draft + 1} rows a pass"
+
+
+def test_off_a_gpu_it_is_not_used_unless_asked(tiny_llama):
+    eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
+    assert eng.target.impl._graph is None and "graph_step" not in eng.describe()
+
+
+def test_every_row_of_a_verify_pass_is_a_one_token_step(graph_engine):
+    _, eng = graph_engine
+    t = eng.target
+    ids = list(range(7, 60))
+    with torch.inference_mode():
+        t.cache.rollback(0)
+        t.forward(ids[:20])                     # a prefill: the eager forward
+        at = t.cache.length
+        for width in (2, 5, eng.max_draft + 1):
+            t.cache.rollback(at)
+            verify = t.forward(ids[20:20 + width], all_logits=True)
+            t.cache.rollback(at)
+            steps = torch.cat([t.forward(ids[20 + r:21 + r]) for r in range(width)])
+            assert torch.equal(verify, steps), width
+        t.cache.rollback(0)
+
+
+def test_greedy_is_generate_and_speculation_changes_nothing(graph_engine):
+    from transformers import AutoModelForCausalLM
+    path, eng = graph_engine
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    spec = list(eng.chat().send(prompt, max_new_tokens=40))[-1]
+    eng.set_drafter("none")
+    try:
+        plain = list(eng.chat().send(prompt, max_new_tokens=40))[-1]
+    finally:
+        eng.set_drafter("ngram")
+    ids = torch.tensor([render_prompt(eng.tokenizer, [{"role": "user", "content": prompt}])])
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert list(spec.token_ids) == list(plain.token_ids) == want
