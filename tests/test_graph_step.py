@@ -15,22 +15,22 @@ from tiny import build_model
 def graph_engine(tmp_path_factory, tokenizer):
     """A tiny Qwen3 (q/k norms) in float32 with the graph step forced on; compiled once, on
     its first step (about half a minute on the 2-core machine)."""
+    import torch._inductor.config as inductor
     mp = pytest.MonkeyPatch()
     mp.setenv("LOCALCHAT_GRAPH_STEP", "on")
+    # inductor compiles in this thread: no pool of compile threads outlives the module
+    mp.setattr(inductor, "compile_threads", 1)
     try:
         path = build_model(tmp_path_factory.mktemp("graph"), "qwen3", layers=2, tokenizer=tokenizer, seed=4)
         eng = engine.open(str(path), dtype="float32", drafter="ngram", draft_tokens=4)
+        yield path, eng
     finally:
         mp.undo()
-    yield path, eng
-    # What torch.compile started ends with the module: inductor's compile workers, and the
-    # thread of torch's prefetch pool (a module-level executor; a fresh one starts its thread
-    # only when next used).
+    # The thread of torch's prefetch pool, which torch.compile starts, ends with the module
+    # too (a module-level executor: a fresh one starts its thread only when next used).
     from concurrent.futures import ThreadPoolExecutor
 
     import torch.utils._functools as prefetch
-    from torch._inductor.async_compile import shutdown_compile_workers
-    shutdown_compile_workers()
     prefetch._prefetch_executor.shutdown(wait=True)
     prefetch._prefetch_executor = ThreadPoolExecutor(max_workers=2)
 
@@ -41,7 +41,8 @@ def test_it_runs_where_asked_and_says_so(graph_engine):
     assert eng.describe()["graph_step"] == f"compiled, {eng.max_draft + 1} rows a pass"
 
 
-def test_off_a_gpu_it_is_not_used_unless_asked(tiny_llama):
+def test_off_a_gpu_it_is_not_used_unless_asked(tiny_llama, monkeypatch):
+    monkeypatch.delenv("LOCALCHAT_GRAPH_STEP", raising=False)
     eng = engine.open(str(tiny_llama), dtype="float32", drafter="none")
     assert eng.target.impl._graph is None and "graph_step" not in eng.describe()
 
