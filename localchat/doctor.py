@@ -295,7 +295,7 @@ def _kernel_text() -> str:
     ready = [d for d, why in layers.items() if not why]
     if ready:
         lines.append(f"Layer kernels ({', '.join(ready)}): a Llama-family model's one-token steps and "
-                     "verify passes run all its layers in one call, a Qwen3.5 model's one layer at a time")
+                     "verify passes run in one call, token ids to logits, a Qwen3.5 model's one layer at a time")
     lines += [f"Layer kernel ({d}): not used, {why}" for d, why in layers.items() if why and not rows.get(d)]
     for name, ready_text, instead in (
             ("int8", "int8 weights are read as stored, whole layers in one call", "aten's int8 kernel"),
