@@ -79,3 +79,14 @@ def test_greedy_is_generate_and_speculation_changes_nothing(graph_engine):
     with torch.inference_mode():
         want = ref.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1]:].tolist()
     assert list(spec.token_ids) == list(plain.token_ids) == want
+
+
+def test_where_it_cannot_run_describe_says_why(tiny_llama, tmp_path, monkeypatch):
+    """Asked for (as on a GPU) over int8 weights, or a streamed forward: the eager step, and
+    describe() says why."""
+    monkeypatch.setenv("LOCALCHAT_GRAPH_STEP", "on")
+    eng = engine.open(str(tiny_llama), profile="resident-int8", drafter="none", cache_dir=tmp_path)
+    assert eng.target.impl._graph is None
+    assert "not plain tensors" in eng.describe()["graph_step"]
+    eng = engine.open(str(tiny_llama), profile="streamed-exact", drafter="none")
+    assert eng.target.impl._graph is None and "streamed" in eng.describe()["graph_step"]

@@ -44,8 +44,11 @@ def wanted(device: torch.device) -> bool:
 
 def why_not(fwd) -> str:
     """'' where GraphStep can run `fwd` (a LlamaFamilyForward holding its weights)."""
-    tensors = [fwd.embed, fwd.norm, fwd.head] + [t for w in fwd.layers for t in vars(w).values() if t is not None]
-    if not fwd.layers or not all(isinstance(t, torch.Tensor) for t in tensors):
+    if not fwd.layers:
+        return "the weights are not held by this forward (streamed)"
+    tables = [getattr(fwd, name, None) for name in ("embed", "norm", "head")]
+    if not all(isinstance(t, torch.Tensor) for t in tables + [t for w in fwd.layers for t in vars(w).values()
+                                                             if t is not None]):
         return "weights that are not plain tensors (int8/int4 bring their own kernels)"
     return ""
 

@@ -132,7 +132,7 @@ class LlamaFamilyForward(rows.KernelPasses):
         graph_step.wanted() this device (a GPU); graph_note says why not where it was wanted."""
         if not graph_step.wanted(self.cache.device):
             return
-        self.graph_note = graph_step.why_not(self) if self.layers else "the weights are not held by this forward"
+        self.graph_note = graph_step.why_not(self)
         if not self.graph_note:
             self._graph = graph_step.GraphStep(self, width)
 
