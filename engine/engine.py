@@ -139,7 +139,8 @@ class Engine:
             c, t = self.target.cache, self.target
             how = [self.plan.chosen if self.plan else None, _weights_label(t), t.kind, str(self.dtype),
                    str(self.device), kernels.note(self.dtype) if self.device.type == "cpu" else "",
-                   _prefill_gemm(self), type(c).__name__, c.layers, c.kv_heads, c.head_dim, str(c.dtype)]
+                   _prefill_gemm(self), _graph_note(self), type(c).__name__, c.layers, c.kv_heads, c.head_dim,
+                   str(c.dtype)]
             self._resume_key = (source_identity(self.checkpoint.path)[:16],
                                 hashlib.sha256(json.dumps(how).encode()).hexdigest()[:8])
         return self._resume_key
