@@ -157,19 +157,17 @@ def _table_fits(t, dtype: torch.dtype, hidden: int) -> bool:
             and t.shape[1] == hidden)
 
 
-def why_not_head(head, norm, dtype: torch.dtype) -> str:
-    """'' when the output head and final norm are held as layer.c's tail reads them."""
-    if not isinstance(norm, torch.Tensor) or norm.dtype != dtype or not norm.is_cpu or not norm.is_contiguous():
-        return "the final norm is not a plain tensor in the layers' dtype"
+def _head_fits(head, norm, dtype: torch.dtype) -> bool:
+    """Whether layer.c's tail reads this output head and final norm: the norm a plain tensor
+    in the dtype; the head a transposed [vocab, hidden] matrix in it, per-channel int8 with
+    scales in it, or (bf16) int4 in q4.c's form."""
+    if not (isinstance(norm, torch.Tensor) and norm.dtype == dtype and norm.is_cpu and norm.is_contiguous()):
+        return False
     if isinstance(head, torch.Tensor):
-        if head.dtype != dtype or not head.is_cpu or head.dim() != 2 or not head.t().is_contiguous():
-            return "the head is not a plain transposed matrix in the layers' dtype"
-        return ""
+        return head.dtype == dtype and head.is_cpu and head.dim() == 2 and head.t().is_contiguous()
     if getattr(head, "own_kernel", False):
-        return "" if head.scale.dtype == dtype else "the head's int8 scales are not in the layers' dtype"
-    if getattr(head, "canonical", False):
-        return "" if dtype == torch.bfloat16 else "int4 head with float32 activations"
-    return "the head's format has no kernel here"
+        return head.scale.dtype == dtype
+    return getattr(head, "canonical", False) and dtype == torch.bfloat16
 
 
 def _mat(t) -> _Mat:
@@ -212,7 +210,7 @@ class LayerStack:
         self._head = self.embed = None
         self.vocab = 0
         head = getattr(fwd, "head", None)
-        if head is not None and not why_not_head(head, fwd.norm, dtype):
+        if head is not None and _head_fits(head, fwd.norm, dtype):
             self._head = (_mat(head if not isinstance(head, torch.Tensor) else head.t()), fwd.norm,
                           head.shape[1] if isinstance(head, torch.Tensor) else head.shape[0])
         embed = getattr(fwd, "embed", None)

@@ -46,11 +46,15 @@ def why_not(fwd) -> str:
     """'' where GraphStep can run `fwd` (a LlamaFamilyForward holding its weights)."""
     if not fwd.layers:
         return "the weights are not held by this forward (streamed)"
-    tables = [getattr(fwd, name, None) for name in ("embed", "norm", "head")]
-    if not all(isinstance(t, torch.Tensor) for t in tables + [t for w in fwd.layers for t in vars(w).values()
-                                                             if t is not None]):
+    if not all(isinstance(t, torch.Tensor) for t in _weights(fwd)):
         return "weights that are not plain tensors (int8/int4 bring their own kernels)"
     return ""
+
+
+def _weights(fwd) -> list:
+    """Every weight a pass reads: the tables, the final norm and each layer's."""
+    tables = [getattr(fwd, name, None) for name in ("embed", "norm", "head")]
+    return tables + [t for w in fwd.layers for t in vars(w).values() if t is not None]
 
 
 class GraphStep:
@@ -59,7 +63,7 @@ class GraphStep:
     def __init__(self, fwd, width: int):
         self.fwd, self.width = fwd, width
         self._marked: tuple | None = None
-        for t in [fwd.embed, fwd.norm, fwd.head] + [t for w in fwd.layers for t in vars(w).values() if t is not None]:
+        for t in _weights(fwd):
             torch._dynamo.mark_static_address(t)
         self._offsets = torch.arange(width, device=fwd.cache.device)
         # dynamo keeps its graphs per code object, and every GraphStep shares _pass's: each
