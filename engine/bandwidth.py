@@ -8,6 +8,14 @@ tensor far larger than the caches, on the threads torch uses (what a decode step
 GEMVs see), median of a few runs. About half a second, once per machine: the figure is
 kept in the cache folder under a key naming the CPU, the thread count and torch, and
 `localchat doctor --measure` measures again.
+
+A probe run while other processes keep the cores busy (a build, a second model) reads a
+fraction of the real rate: the probe's threads wait for the slowest one. Measured beside
+a compiler it gave 8 GB/s where the quiet machine reads 25, and that figure, kept, set every
+bound and `setup`'s recommendation. So the probe also counts the CPU time other processes
+took while it ran; a figure taken among more than BUSY_CORES of theirs is marked busy and
+measured again once RETRY_S has passed, keeping the higher figure, until a quiet one
+replaces it.
 """
 from __future__ import annotations
 
@@ -20,10 +28,39 @@ from pathlib import Path
 import torch
 
 FILE = "bandwidth.json"
+BUSY_CORES = 0.25       # other processes' CPU during the probe, in cores, above which it is busy
+RETRY_S = 600           # how long a busy figure stands before it is measured again
 
 
-def probe(device: torch.device, nbytes: int = 512 << 20, reps: int = 5) -> float:
-    """Read bytes/s of `device`'s memory: the median time to sum `nbytes` of float32."""
+def _others_cores(busy_before, own_before, wall: float) -> float | None:
+    """Cores' worth of CPU time that other processes (and the hypervisor: steal) took since
+    `busy_before`/`own_before`, over `wall` seconds; None where psutil cannot say."""
+    try:
+        import psutil
+        busy = _busy_seconds(psutil.cpu_times()) - busy_before
+        own = sum(psutil.Process().cpu_times()[:2]) - own_before
+    except Exception:
+        return None
+    return max(0.0, busy - own) / wall if wall > 0 else None
+
+
+def _busy_seconds(t) -> float:
+    """A psutil.cpu_times() total minus the time no one wanted the CPU (idle, waiting on disk)."""
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+
+def _cpu_marks():
+    try:
+        import psutil
+        return _busy_seconds(psutil.cpu_times()), sum(psutil.Process().cpu_times()[:2])
+    except Exception:
+        return None
+
+
+def probe(device: torch.device, nbytes: int = 512 << 20, reps: int = 5) -> tuple[float, float | None]:
+    """(read bytes/s of `device`'s memory: the median time to sum `nbytes` of float32, other
+    processes' CPU meanwhile in cores, None where it cannot be told)."""
+    marks, t0 = _cpu_marks(), time.perf_counter()
     x = torch.ones(nbytes // 4, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     x.sum()
@@ -35,7 +72,8 @@ def probe(device: torch.device, nbytes: int = 512 << 20, reps: int = 5) -> float
         sync()
         times.append(time.perf_counter() - t)
     del x
-    return nbytes / statistics.median(times)
+    others = _others_cores(*marks, time.perf_counter() - t0) if marks else None
+    return nbytes / statistics.median(times), others
 
 
 def machine_key(device: torch.device) -> str:
@@ -45,9 +83,11 @@ def machine_key(device: torch.device) -> str:
 
 
 def measured(cache_dir: Path, device: torch.device, refresh: bool = False) -> dict:
-    """{"cpu" or the device kind: bytes/s, "measured_at": unix time}, from the cache file
-    or measured now (and kept) when absent or `refresh`. A probe that cannot run (no room
-    for its buffer) returns {} and the planner keeps its defaults."""
+    """{"cpu" or the device kind: bytes/s, "measured_at": unix time, and "busy": other
+    processes' cores where they disturbed the probe}, from the cache file, or measured now
+    (and kept) when absent, busy and RETRY_S old, or `refresh`. A busy figure that a busy
+    probe does not beat stays. A probe that cannot run (no room for its buffer) returns {}
+    and the planner keeps its defaults."""
     path = Path(cache_dir) / FILE
     key = machine_key(device)
     try:
@@ -57,7 +97,9 @@ def measured(cache_dir: Path, device: torch.device, refresh: bool = False) -> di
     if not isinstance(known, dict):
         known = {}
     hit = known.get(key)
-    if hit and not refresh and isinstance(hit, dict):
+    if not isinstance(hit, dict):
+        hit = None
+    if hit and not refresh and not (hit.get("busy") and time.time() - hit.get("measured_at", 0) > RETRY_S):
         return hit
     try:
         import psutil
@@ -65,12 +107,10 @@ def measured(cache_dir: Path, device: torch.device, refresh: bool = False) -> di
     except Exception:
         room = 512 << 20
     try:
-        rate = probe(device, nbytes=max(64 << 20, min(512 << 20, room)))
+        rate, others = probe(device, nbytes=max(64 << 20, min(512 << 20, room)))
     except (RuntimeError, MemoryError):
-        return {}
-    kinds = ("cuda", "rocm") if device.type == "cuda" else (device.type,)   # torch calls a ROCm GPU cuda
-    entry = {**{k: rate for k in kinds}, "measured_at": time.time()}
-    known[key] = entry
+        return hit or {}
+    known[key] = entry = merged(hit, device, rate, others, refresh)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -81,6 +121,21 @@ def measured(cache_dir: Path, device: torch.device, refresh: bool = False) -> di
     return entry
 
 
+def merged(hit: dict | None, device: torch.device, rate: float, others: float | None, refresh: bool = False,
+           now: float | None = None) -> dict:
+    """The entry to keep after a probe read `rate` while other processes took `others` cores:
+    a quiet figure, or an asked-for one, replaces what was kept; a busy one replaces only a
+    lower busy figure (a busy figure kept is retried RETRY_S after this probe)."""
+    kinds = ("cuda", "rocm") if device.type == "cuda" else (device.type,)   # torch calls a ROCm GPU cuda
+    entry = {**{k: rate for k in kinds}, "measured_at": time.time() if now is None else now}
+    if device.type != "cpu" or others is None or others <= BUSY_CORES:
+        return entry
+    entry["busy"] = round(others, 2)
+    if hit and hit.get("busy") and not refresh and hit.get(kinds[0], 0) >= rate:
+        return {**hit, "measured_at": entry["measured_at"]}
+    return entry
+
+
 def rates(entry: dict) -> dict:
     """The bandwidth entries of a measurement, as make_plan takes them."""
-    return {k: v for k, v in entry.items() if k != "measured_at"}
+    return {k: v for k, v in entry.items() if k not in ("measured_at", "busy")}

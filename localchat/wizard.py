@@ -364,7 +364,12 @@ def setup_main(argv: list[str]) -> int:
     ask = prompt_asker() if interactive else _no_questions
     from engine import bandwidth
     from engine.checkpoint import default_cache_dir
-    read = bandwidth.rates(bandwidth.measured(default_cache_dir(), hardware.pick_device(hw.device)))
+    measured = bandwidth.measured(default_cache_dir(), hardware.pick_device(hw.device))
+    if measured.get("busy"):
+        from .doctor import busy_note
+        print(f"Memory read rate: {max(bandwidth.rates(measured).values()) / 1e9:.1f} GB/s" + busy_note(measured)[1:]
+              + "; the predicted speeds below rest on it")
+    read = bandwidth.rates(measured)
     usable = args.min_tps if args.min_tps is not None else base.usable_tps
     if not usable > 0:
         error(f"--min-tps {usable}: must be a positive speed")

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -29,6 +30,54 @@ def test_the_read_rate_is_measured_once_per_machine_and_again_on_request(tmp_pat
     assert again["measured_at"] > first["measured_at"]
     (tmp_path / bandwidth.FILE).write_text("not json")         # a damaged file is measured over
     assert bandwidth.measured(tmp_path, cpu)["cpu"] > 1e9
+
+
+def test_the_probe_counts_what_other_processes_took_while_it_ran():
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)                                        # the loop is running
+        rate, others = bandwidth.probe(torch.device("cpu"))
+    finally:
+        spin.kill()
+        spin.wait()
+    assert rate > 1e9
+    assert others is not None and others > bandwidth.BUSY_CORES   # a whole loop ran through the probe
+
+
+def test_a_busy_figure_gives_way_to_a_quiet_or_a_higher_one():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    busy = {"cpu": 10e9, "measured_at": 1.0, "busy": 1.0}
+    quiet = bandwidth.merged(busy, cpu, 5e9, 0.0, now=2.0)
+    assert quiet == {"cpu": 5e9, "measured_at": 2.0}           # quiet replaces, even when lower
+    assert bandwidth.merged(busy, cpu, 5e9, 1.5, now=2.0) == dict(busy, measured_at=2.0)   # lower and busy: kept
+    assert bandwidth.merged(busy, cpu, 20e9, 1.5, now=2.0) == {"cpu": 20e9, "measured_at": 2.0, "busy": 1.5}
+    assert bandwidth.merged(busy, cpu, 5e9, 1.5, refresh=True, now=2.0)["cpu"] == 5e9     # asked for: what it read
+    assert bandwidth.merged(quiet, cpu, 1e9, 1.0, now=3.0)["busy"] == 1.0                 # marked, to be retried
+    assert "busy" not in bandwidth.merged(None, gpu, 1e12, 3.0)      # a GPU's read does not share the cores
+    assert bandwidth.rates(busy) == {"cpu": 10e9}
+
+
+def test_a_busy_figure_is_measured_again_once_it_is_old(tmp_path):
+    cpu = torch.device("cpu")
+    key = bandwidth.machine_key(cpu)
+    recent = {"cpu": 1e15, "measured_at": time.time() - 5, "busy": 1.0}
+    (tmp_path / bandwidth.FILE).write_text(json.dumps({key: recent}))
+    assert bandwidth.measured(tmp_path, cpu) == recent          # retried only after RETRY_S
+    old = dict(recent, measured_at=time.time() - bandwidth.RETRY_S - 1)
+    (tmp_path / bandwidth.FILE).write_text(json.dumps({key: old}))
+    again = bandwidth.measured(tmp_path, cpu)
+    assert again["measured_at"] > old["measured_at"]
+    # busy again: the higher figure stays (nothing reads 1e15 B/s); quiet: the new one replaces it
+    assert (again["cpu"] == 1e15) == ("busy" in again)
+    assert json.loads((tmp_path / bandwidth.FILE).read_text())[key] == again
+
+
+def test_doctor_says_when_the_read_rate_was_measured_among_busy_processes():
+    from localchat.doctor import _bandwidth_text
+    read = {"cpu": 8e9, "measured_at": time.time(), "busy": 1.0}
+    text = _bandwidth_text(read, bandwidth.rates(read), "cpu", False)
+    assert "8.0 GB/s" in text and "1.0 cores busy" in text and "localchat doctor --measure" in text
+    assert "busy" not in _bandwidth_text(dict(read, busy=None), {"cpu": 8e9}, "cpu", False)
 
 
 def test_doctor_bounds_are_bytes_over_the_measured_rate(tiny_llama):
