@@ -16,6 +16,10 @@ from .errors import ContextFull
 
 
 class KVCache:
+    # Positions past max_positions the cache may hold but never commits: the graph step's
+    # padding rows (a fixed-width pass) land there at the end of the context.
+    slack = 0
+
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, capacity: int = 1024, max_positions: int | None = None):
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
@@ -44,12 +48,13 @@ class KVCache:
         self.grow_to(need)
 
     def grow_to(self, positions: int) -> None:
-        """Hold at least `positions` (<= max_positions), doubling the capacity as needed."""
+        """Hold at least `positions` (<= max_positions + slack), doubling the capacity as needed;
+        a growth that reaches max_positions takes the slack with it."""
         if positions > self.capacity:
             cap = self.capacity
             while cap < positions:
                 cap *= 2
-            self._allocate(min(cap, self.max_positions))
+            self._allocate(self.max_positions + self.slack if cap >= self.max_positions else cap)
 
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a pass's keys/values at [pos, pos+T) and return the views [0, pos+T) to attend over."""

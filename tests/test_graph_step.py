@@ -10,6 +10,8 @@ import engine
 from engine.session import render_prompt
 from tiny import build_model
 
+CONTEXT = 128          # the tiny model's context: short, so a test reaches its end
+
 
 @pytest.fixture(scope="module")
 def graph_engine(tmp_path_factory, tokenizer):
@@ -21,7 +23,8 @@ def graph_engine(tmp_path_factory, tokenizer):
     # inductor compiles in this thread: no pool of compile threads outlives the module
     mp.setattr(inductor, "compile_threads", 1)
     try:
-        path = build_model(tmp_path_factory.mktemp("graph"), "qwen3", layers=2, tokenizer=tokenizer, seed=4)
+        path = build_model(tmp_path_factory.mktemp("graph"), "qwen3", layers=2, tokenizer=tokenizer, seed=4,
+                           max_positions=CONTEXT)
         eng = engine.open(str(path), dtype="float32", drafter="ngram", draft_tokens=4)
         yield path, eng
     finally:
@@ -61,6 +64,44 @@ def test_every_row_of_a_verify_pass_is_a_one_token_step(graph_engine):
             t.cache.rollback(at)
             steps = torch.cat([t.forward(ids[20 + r:21 + r]) for r in range(width)])
             assert torch.equal(verify, steps), width
+        t.cache.rollback(0)
+
+
+def test_the_cache_takes_its_slack_when_it_reaches_the_context():
+    from engine.cache import KVCache
+    from engine.errors import ContextFull
+    c = KVCache(1, 1, 4, torch.float32, torch.device("cpu"), capacity=16, max_positions=40)
+    c.slack = 3
+    c.grow_to(17)
+    assert c.capacity == 32                    # doubling, short of the context
+    c.grow_to(33)
+    assert c.capacity == 43                    # the context and its slack at once: one more graph, not two
+    c.length = 38
+    with pytest.raises(ContextFull):
+        c.reserve(3)                           # the slack is never committed
+
+
+def test_the_last_positions_of_the_context_run_the_same_graph(graph_engine, monkeypatch):
+    """The padding of a pass at the end of the context lands in the cache's slack, so the
+    last positions are graph steps too, and verify rows there are one-token steps."""
+    _, eng = graph_engine
+    t = eng.target
+    graph = t.impl._graph
+    ran = []
+    monkeypatch.setattr(graph, "_compiled", lambda *a, f=graph._compiled: ran.append(1) or f(*a))
+    ids = [7 + i % 50 for i in range(CONTEXT)]
+    with torch.inference_mode():
+        t.cache.rollback(0)
+        t.forward(ids[:CONTEXT - 5])
+        at = t.cache.length
+        for width in (2, 5):
+            t.cache.rollback(at)
+            verify = t.forward(ids[at:at + width], all_logits=True)
+            t.cache.rollback(at)
+            steps = torch.cat([t.forward(ids[at + r:at + r + 1]) for r in range(width)])
+            assert torch.equal(verify, steps), width
+        assert len(ran) == 2 + 2 + 5
+        assert t.cache.length == CONTEXT and t.cache.capacity == CONTEXT + graph.width - 1
         t.cache.rollback(0)
 
 

@@ -4,7 +4,8 @@ a Llama-family forward's passes of few rows as one compiled function of static s
 - Every such pass is `width` rows wide (the engine's widest verify pass, max_draft + 1); a
   one-token step or a shorter verify pass is padded with copies of its last token. The
   padding's keys and values land past the committed length, where the next pass
-  overwrites them.
+  overwrites them; at the end of the context, in the cache's slack (width - 1 positions
+  never committed), so the last positions run the same graph as every other.
 - The positions are a device tensor: the KV cache is written with index_copy_ and read whole
   under a mask, and the rotary tables are indexed on the device, so one graph serves every
   position.
@@ -63,6 +64,10 @@ class GraphStep:
     def __init__(self, fwd, width: int):
         self.fwd, self.width = fwd, width
         self._marked: tuple | None = None
+        cache = fwd.cache
+        cache.slack = width - 1
+        if cache.capacity >= cache.max_positions:      # its last growth, before any graph is made for it
+            cache.grow_to(cache.max_positions + cache.slack)
         for t in _weights(fwd):
             torch._dynamo.mark_static_address(t)
         self._offsets = torch.arange(width, device=fwd.cache.device)

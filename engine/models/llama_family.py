@@ -270,8 +270,7 @@ class LlamaFamilyForward(rows.KernelPasses):
         T = len(ids) if isinstance(ids, list) else ids.shape[-1]
         self._begin_pass(T, all_logits)
         graph = self._graph
-        if (graph is not None and T <= graph.width and (T == 1 or all_logits)
-                and pos + graph.width <= self.cache.max_positions and not torch.compiler.is_compiling()):
+        if graph is not None and T <= graph.width and (T == 1 or all_logits) and not torch.compiler.is_compiling():
             return graph(ids.view(T).tolist() if isinstance(ids, torch.Tensor) else ids, pos, T if all_logits else 1)
         stack = self._stack
         if stack is not None and stack.has_head and self._row_kernel(T) and not torch.compiler.is_compiling():
