@@ -13,9 +13,9 @@ A probe run while other processes keep the cores busy (a build, a second model) 
 fraction of the real rate: the probe's threads wait for the slowest one. Measured beside
 a compiler it gave 8 GB/s where the quiet machine reads 25, and that figure, kept, set every
 bound and `setup`'s recommendation. So the probe also counts the CPU time other processes
-took while it ran; a figure taken among more than BUSY_CORES of theirs is marked busy and
-measured again once RETRY_S has passed, keeping the higher figure, until a quiet one
-replaces it.
+took while it ran with no core idle; a figure taken among more than BUSY_CORES of theirs is
+marked busy and measured again once RETRY_S has passed, keeping the higher figure, until a
+quiet one replaces it.
 """
 from __future__ import annotations
 
@@ -29,38 +29,38 @@ import torch
 
 FILE = "bandwidth.json"
 BUSY_CORES = 0.25       # other processes' CPU during the probe, in cores, above which it is busy
+IDLE_CORES = 0.5        # ... unless this much stayed idle meanwhile
 RETRY_S = 600           # how long a busy figure stands before it is measured again
 
 
-def _others_cores(busy_before, own_before, wall: float) -> float | None:
-    """Cores' worth of CPU time that other processes (and the hypervisor: steal) took since
-    `busy_before`/`own_before`, over `wall` seconds; None where psutil cannot say."""
+def _cpu_marks() -> tuple[float, float, float] | None:
+    """(seconds the CPUs were busy, seconds they were idle, this process's CPU seconds) so
+    far; None where psutil cannot say."""
     try:
         import psutil
-        busy = _busy_seconds(psutil.cpu_times()) - busy_before
-        own = sum(psutil.Process().cpu_times()[:2]) - own_before
+        t = psutil.cpu_times()
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        # guest time is counted in user time too
+        busy = sum(t) - idle - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        return busy, idle, sum(psutil.Process().cpu_times()[:2])
     except Exception:
         return None
-    return max(0.0, busy - own) / wall if wall > 0 else None
 
 
-def _busy_seconds(t) -> float:
-    """A psutil.cpu_times() total minus the time no one wanted the CPU (idle, waiting on disk)."""
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
-
-
-def _cpu_marks():
-    try:
-        import psutil
-        return _busy_seconds(psutil.cpu_times()), sum(psutil.Process().cpu_times()[:2])
-    except Exception:
-        return None
+def _competing_cores(before, after, wall: float) -> float:
+    """Cores' worth of CPU that other processes (and the hypervisor: steal) took between two
+    marks while no core was left idle. Work beside idle cores took nothing from the probe's
+    threads (a container's host busy with others' work, say), so it does not count."""
+    busy, idle, own = (a - b for a, b in zip(after, before))
+    if wall <= 0 or idle / wall >= IDLE_CORES:
+        return 0.0
+    return max(0.0, busy - own) / wall
 
 
 def probe(device: torch.device, nbytes: int = 512 << 20, reps: int = 5) -> tuple[float, float | None]:
     """(read bytes/s of `device`'s memory: the median time to sum `nbytes` of float32, other
     processes' CPU meanwhile in cores, None where it cannot be told)."""
-    marks, t0 = _cpu_marks(), time.perf_counter()
+    before, t0 = _cpu_marks(), time.perf_counter()
     x = torch.ones(nbytes // 4, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     x.sum()
@@ -72,7 +72,8 @@ def probe(device: torch.device, nbytes: int = 512 << 20, reps: int = 5) -> tuple
         sync()
         times.append(time.perf_counter() - t)
     del x
-    others = _others_cores(*marks, time.perf_counter() - t0) if marks else None
+    after = _cpu_marks()
+    others = _competing_cores(before, after, time.perf_counter() - t0) if before and after else None
     return nbytes / statistics.median(times), others
 
 

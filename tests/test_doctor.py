@@ -33,15 +33,25 @@ def test_the_read_rate_is_measured_once_per_machine_and_again_on_request(tmp_pat
 
 
 def test_the_probe_counts_what_other_processes_took_while_it_ran():
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # a busy loop for every core: none is idle, and they take more than a quarter of one
+    spins = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(min(os.cpu_count(), 64))]
     try:
-        time.sleep(0.3)                                        # the loop is running
+        time.sleep(0.5)                                        # the loops are running
         rate, others = bandwidth.probe(torch.device("cpu"))
     finally:
-        spin.kill()
-        spin.wait()
+        for spin in spins:
+            spin.kill()
+            spin.wait()
     assert rate > 1e9
-    assert others is not None and others > bandwidth.BUSY_CORES   # a whole loop ran through the probe
+    assert others is not None and others > bandwidth.BUSY_CORES
+
+
+def test_work_beside_idle_cores_does_not_count():
+    marks = (100.0, 50.0, 10.0)                       # busy, idle, own CPU seconds
+    # 1 s: 2 cores busy, 1 of them ours; no idle core: one core competed
+    assert bandwidth._competing_cores(marks, (102.0, 50.1, 11.0), 1.0) == pytest.approx(1.0)
+    # the same beside 6 idle cores (a big host): nothing competed for the probe's threads
+    assert bandwidth._competing_cores(marks, (102.0, 56.0, 11.0), 1.0) == 0.0
 
 
 def test_a_busy_figure_gives_way_to_a_quiet_or_a_higher_one():
