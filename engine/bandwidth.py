@@ -10,8 +10,8 @@ kept in the cache folder under a key naming the CPU, the thread count and torch,
 `localchat doctor --measure` measures again.
 
 A probe run while other processes keep the cores busy (a build, a second model) reads a
-fraction of the real rate: the probe's threads wait for the slowest one. Measured beside
-a compiler it gave 8 GB/s where the quiet machine reads 25, and that figure, kept, set every
+fraction of the real rate: the probe's threads wait for the slowest one. Beside a
+compiler it read 8 GB/s where the idle machine reads 20-22, and that figure, kept, set every
 bound and `setup`'s recommendation. So the probe also counts the CPU time other processes
 took while it ran with no core idle; a figure taken among more than BUSY_CORES of theirs is
 marked busy and measured again once RETRY_S has passed, keeping the higher figure, until a

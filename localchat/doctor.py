@@ -237,15 +237,15 @@ def _bandwidth_text(read: dict, bw: dict, device: str, remeasured: bool) -> str:
     how = "measured now" if remeasured else f"measured {when}; `localchat doctor --measure` measures again"
     extra = " · ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in bw.items() if k in ("disk", "host_to_device"))
     return (f"Memory read rate: {read.get(kind, next(iter(bw.values()))) / 1e9:.1f} GB/s on {device} ({how}); "
-            "each tok/s ≤ is the bytes a token reads over it" + (f"\n{busy_note(read)}" if read.get("busy") else "")
+            "each tok/s ≤ is the bytes a token reads over it" + (f"\n  ({busy_note(read)})" if read.get("busy") else "")
             + (f"\nMeasured: {extra}" if extra else ""))
 
 
 def busy_note(read: dict) -> str:
     """Why a read rate measured among other processes' work may be low, and what happens next."""
     from engine.bandwidth import RETRY_S
-    return (f"  (other processes kept {read['busy']:.1f} cores busy while it was measured, so it may be low: it is "
-            f"measured again after {RETRY_S // 60} minutes, or now with `localchat doctor --measure` on an idle machine)")
+    return (f"other processes kept {read['busy']:.1f} cores busy while it was measured, so it may be low: it is "
+            f"measured again after {RETRY_S // 60} minutes, or now with `localchat doctor --measure` on an idle machine")
 
 
 def _fidelity_text(fid: dict) -> str:

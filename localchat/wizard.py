@@ -367,8 +367,8 @@ def setup_main(argv: list[str]) -> int:
     measured = bandwidth.measured(default_cache_dir(), hardware.pick_device(hw.device))
     if measured.get("busy"):
         from .doctor import busy_note
-        print(f"Memory read rate: {max(bandwidth.rates(measured).values()) / 1e9:.1f} GB/s" + busy_note(measured)[1:]
-              + "; the predicted speeds below rest on it")
+        print(f"Memory read rate: {measured['cpu'] / 1e9:.1f} GB/s ({busy_note(measured)}); "
+              "the predicted speeds below rest on it")
     read = bandwidth.rates(measured)
     usable = args.min_tps if args.min_tps is not None else base.usable_tps
     if not usable > 0:

@@ -1,9 +1,11 @@
 """`localchat setup`: the catalog's numbers, the wizard driven through a prompt-toolkit
 pipe input, the backup of an existing config, the offline fallback to the demo model,
 the disk check, and the non-interactive form."""
+import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -198,6 +200,14 @@ def test_non_interactive_setup(tiny_llama, tmp_path):
     settings, _ = config.load(tmp_path / "cfg" / "config.toml", {})
     assert Path(settings.model) == Path(tiny_llama).resolve() and settings.drafter == "ngram"
     assert "C kernels" not in proc.stdout and not (tmp_path / "cache" / "kernels").exists()
+    # the read rate it measured: setup says when other processes disturbed it, and only then
+    read = tmp_path / "cache" / "bandwidth.json"
+    (key, entry), = json.loads(read.read_text()).items()
+    assert ("cores busy" in proc.stdout) == bool(entry.get("busy"))
+    read.write_text(json.dumps({key: {"cpu": 3e9, "measured_at": time.time(), "busy": 1.5}}))
+    again = subprocess.run(proc.args, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert again.returncode == 0, again.stderr
+    assert "Memory read rate: 3.0 GB/s (other processes kept 1.5 cores busy" in again.stdout
 
 
 def test_setup_builds_the_kernels_so_no_chat_waits_on_a_compiler(tiny_llama, tmp_path):
