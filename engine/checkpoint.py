@@ -409,6 +409,26 @@ def nonfinite_reason(path: Path, dtype) -> str:
             f"{str(dtype).removeprefix('torch.')}; try --dtype float32")
 
 
+# The sampling a GGUF file recommends (llama.cpp's converter copies it from the model's
+# generation_config.json), under the names a generation_config.json gives it.
+_GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                  "general.sampling.top_k": "top_k"}
+
+
+def gguf_sampling(gguf: Path) -> dict:
+    """{"do_sample": True, "temperature": ..., ...} from a GGUF file's general.sampling.*
+    keys, or {} where it has none. The file holds float32: 0.6 reads back as 0.60000002,
+    so a float is rounded to the six places a recommendation is written with."""
+    from gguf import GGUFReader
+    try:
+        fields = GGUFReader(str(gguf)).fields
+        found = {name: fields[key].contents() for key, name in _GGUF_SAMPLING.items() if key in fields}
+        found = {name: round(v, 6) if isinstance(v, float) else v for name, v in found.items()}
+    except Exception:  # noqa: BLE001 — a file gguf cannot read: the import itself says so
+        return {}
+    return {"do_sample": True, **found} if found else {}
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
@@ -441,6 +461,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     config.save_pretrained(out)
     tok.save_pretrained(out)
     model.generation_config.save_pretrained(out)
+    sampling = gguf_sampling(gguf)
+    if sampling:                                    # the file's recommended sampling, as a checkpoint writes it
+        written = json.loads((out / "generation_config.json").read_text())
+        (out / "generation_config.json").write_text(json.dumps({**written, **sampling}, indent=2) + "\n")
     state = model.state_dict()
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)

@@ -15,6 +15,7 @@ from .kernels import gemm
 from .drafters import ModelDrafter, MtpDrafter, NgramDrafter, NoDrafter, check_compatible
 from .cache import RecurrentCache
 from .errors import BadRequest, CheckpointError
+from .sampling import model_defaults
 from .session import Chat
 from .speculative import DraftController, PassCosts
 from .targets.qcache import source_identity
@@ -38,6 +39,9 @@ class Engine:
         self.device = target.device
         self.dtype = target.dtype
         self.stop_ids = _stop_ids(ckpt.path, tokenizer)
+        # what an answer samples with where the app or the request does not say (send()'s
+        # own defaults stay greedy): the model's recommendation, and where it came from
+        self.sampling, self.sampling_note = model_defaults(ckpt.path)
         self.cache_owner: Chat | None = None
         self.plan: planner.Plan | None = None   # the memory plan the model was loaded under
         self.drafter = drafter or (NgramDrafter() if _can_draft(target) else NoDrafter())

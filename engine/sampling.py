@@ -3,8 +3,10 @@ top-p. `probabilities` gives the distribution actually sampled from, which specu
 verification needs for its acceptance rule."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -41,6 +43,37 @@ def check(temperature: float, top_p: float, top_k: int, seed: int | None = None)
     if seed is not None and not 0 <= seed < 2 ** 63:
         return f"--seed {seed}: must be a whole number from 0 to 2^63 - 1"
     return None
+
+
+def model_defaults(path) -> tuple[SamplingParams, str]:
+    """The sampling a checkpoint's authors recommend, from its generation_config.json, and
+    a note saying where it came from, or why it is greedy. The values the file writes count where it turns
+    sampling on (`do_sample`, as transformers reads it): Qwen3 writes temperature 0.6,
+    top-p 0.95, top-k 20 and warns that greedy decoding repeats itself endlessly. What the
+    file leaves out stays off (vLLM reads it the same way); a file that does not sample,
+    or is missing or malformed, recommends greedy."""
+    file = Path(path) / "generation_config.json"
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return SamplingParams(), "the model has no generation_config.json"
+    except (OSError, UnicodeDecodeError, ValueError):
+        return SamplingParams(), "the model's generation_config.json cannot be read"
+    if not isinstance(cfg, dict) or cfg.get("do_sample") is not True:
+        return SamplingParams(), "the model's generation_config.json does not sample"
+    t, p, k = (1.0 if cfg.get("temperature") is None else cfg["temperature"],
+               1.0 if cfg.get("top_p") is None else cfg["top_p"], cfg.get("top_k") or 0)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (t, p, k))
+    if not numbers or (isinstance(k, float) and not k.is_integer()) or check(float(t), float(p), int(k)):
+        return SamplingParams(), "the model's generation_config.json has a sampling value out of range"
+    return SamplingParams(float(t), int(k), float(p)), "the model's generation_config.json"
+
+
+def describe(params: SamplingParams) -> str:
+    """Sampling settings in words: "greedy", or "temperature 0.6, top-p 0.95, top-k 20"."""
+    if params.greedy:
+        return "greedy"
+    return f"temperature {params.temperature:g}, top-p {params.top_p:g}, top-k {params.top_k or 'off'}"
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -18,7 +18,7 @@ def bench_backend(eng, workloads: list[dict], max_tokens: int, runs: int, json_p
         got = []
         for _ in range(runs):
             chat = eng.chat()
-            list(chat.send(w["prompt"], max_new_tokens=max_tokens))
+            list(chat.send(w["prompt"], max_new_tokens=max_tokens, temperature=0.0))
             if chat.last_done.reason == "error":
                 from .remote import BackendError
                 raise BackendError(chat.last_done.error)

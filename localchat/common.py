@@ -65,9 +65,12 @@ def add_backend_flags(p: argparse.ArgumentParser) -> None:
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", "-s", metavar="TEXT", help="system message")
     p.add_argument("--max-tokens", "-n", type=int, metavar="N", help="most tokens to generate (default 1024)")
-    p.add_argument("--temperature", "-t", type=float, metavar="T", help="0 = greedy (default), higher = more random")
-    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass, (0, 1]")
-    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (0 = off)")
+    p.add_argument("--temperature", "-t", type=float, metavar="T",
+                   help="0 = greedy, higher = more random (default: the model's recommendation from its "
+                        "generation_config.json, else greedy)")
+    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass, (0, 1] (default: the model's, else 1)")
+    p.add_argument("--top-k", type=int, metavar="K",
+                   help="sample among the K most likely tokens (0 = off; default: the model's, else off)")
     p.add_argument("--seed", type=int, metavar="N", help="random seed for sampling")
 
 
@@ -78,11 +81,38 @@ def settings_from(args: argparse.Namespace, base: config_mod.Settings) -> config
     return replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
+SAMPLING = ("temperature", "top_p", "top_k")
+
+
+def _neutral(name: str, value):
+    """A sampling setting's value, or where it is unset, the value that changes nothing."""
+    return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}[name] if value is None else value
+
+
+def sampling(settings: config_mod.Settings, eng, request: dict | None = None) -> dict:
+    """temperature, top_p and top_k for an answer: each from `request` (an API request's
+    fields), else the user's settings (flag, environment, config file), else what the
+    model recommends (`eng.sampling`, from its generation_config.json; greedy where it
+    recommends nothing). A remote engine has no recommendation: an unset value stays None,
+    and the server applies its own (vLLM, for one, the model's). `eng` may also be that
+    recommendation itself (engine.SamplingParams)."""
+    model = eng if hasattr(eng, "greedy") else getattr(eng, "sampling", None)
+    out = {}
+    for name in SAMPLING:
+        value = (request or {}).get(name)
+        if value is None:
+            value = getattr(settings, name)
+        if value is None and model is not None:
+            value = getattr(model, name)
+        out[name] = value
+    return out
+
+
 def check_flags(s: config_mod.Settings) -> str | None:
     from engine.sampling import check as check_sampling
     if s.max_tokens <= 0:
         return f"--max-tokens {s.max_tokens}: must be at least 1"
-    problem = check_sampling(s.temperature, s.top_p, s.top_k, s.seed)
+    problem = check_sampling(*(_neutral(name, getattr(s, name)) for name in SAMPLING), s.seed)
     if problem:
         return problem
     from engine.errors import BadRequest

@@ -17,9 +17,10 @@ class Settings:
     model: str | None = None          # path, .gguf or repo id; None = the demo model
     system: str | None = None
     max_tokens: int = 1024
-    temperature: float = 0.0          # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
+    # None: the model's recommendation (its generation_config.json), else greedy
+    temperature: float | None = None  # 0 = greedy
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     device: str = "auto"
     vram: str | None = None           # memory the engine may use on the device, e.g. "8GiB"; None = detected

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from .argparsing import Parser
-from .common import EXIT_OK, EXIT_USAGE, error, load_settings, quiet_libraries
+from .common import EXIT_OK, EXIT_USAGE, SAMPLING, error, load_settings, quiet_libraries, sampling
 from .format import human_bytes
 
 
@@ -129,7 +129,7 @@ def doctor_main(argv: list[str]) -> int:
         out = {"hardware": _hw_dict(hw), "model": {"name": shape.name, "path": str(ckpt.path) if ckpt else None,
                                                    "params": shape.params, "dtype_bytes": shape.dtype_bytes,
                                                    "planned_from": planned_from},
-               "bandwidth": read,
+               "bandwidth": read, "sampling": _sampling_dict(ckpt.path, settings) if ckpt else None,
                "plan": plan.as_dict(), "fidelity": {k: v.as_dict() for k, v in fid.items()},
                "retired_compiled_steps": {"path": str(leftover[0]), "bytes": leftover[1]} if leftover else None}
         print(json.dumps(out, indent=2))
@@ -149,6 +149,8 @@ def doctor_main(argv: list[str]) -> int:
         limit, why = planner.context_limit(plan.row(plan.chosen), shape.max_positions or planned, args.context)
         print(f"Context: a conversation may grow to {limit:,} tokens under {plan.chosen}: {why}. The chat UI "
               "offers to drop or summarise the oldest turns before one would not fit.")
+    if ckpt is not None:
+        print(_sampling_text(ckpt.path, settings))
     threads = _streaming_threads_text(plan, shape, hw, planned)
     if threads:
         print(threads)
@@ -163,6 +165,30 @@ def doctor_main(argv: list[str]) -> int:
         print(f"Compiled decode steps an earlier localchat built: {human_bytes(leftover[1])} in {leftover[0]}, "
               f"unused now (every step runs the C kernels); `rm -r {leftover[0]}` reclaims it")
     return EXIT_OK
+
+
+def _sampling_text(path: Path, settings) -> str:
+    """What an answer samples with, and why: the model's recommendation, and the user's
+    settings where they override it."""
+    from engine.sampling import SamplingParams, describe, model_defaults
+    model, source = model_defaults(path)
+    line = f"Sampling: {describe(model)} ({source})"
+    mine = [name for name in SAMPLING if getattr(settings, name) is not None]
+    if mine:
+        used = SamplingParams(**{k: v for k, v in sampling(settings, model).items()})
+        line += f"; your settings ({', '.join(mine)}) make it {describe(used)}"
+    elif model.greedy:
+        line += "; -t/--temperature samples instead"
+    else:
+        line += "; -t 0 answers greedy"
+    return line
+
+
+def _sampling_dict(path: Path, settings) -> dict:
+    from engine.sampling import model_defaults
+    model, source = model_defaults(path)
+    return {**sampling(settings, model), "model_recommends": {"temperature": model.temperature, "top_p": model.top_p,
+                                                              "top_k": model.top_k, "source": source}}
 
 
 def _retired_steps(cache: Path) -> tuple[Path, int] | None:

@@ -6,7 +6,7 @@ import json
 import sys
 
 from .format import human_bytes
-from .common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error, open_engine
+from .common import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, error, open_engine, sampling
 
 
 def read_prompt(args_prompt: list[str], stdin=None) -> tuple[str, bool]:
@@ -222,9 +222,9 @@ def run_oneshot(args, settings) -> int:
     progress = PrefillProgress(args.stats and sys.stderr.isatty())
     show_thinking = getattr(args, "show_thinking", False)
     thinking = ThinkingOutput(show_thinking and out.isatty())
+    used = sampling(settings, eng)
     try:
-        for ev in chat.send(prompt, max_new_tokens=settings.max_tokens, temperature=settings.temperature,
-                            top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed, grammar=grammar):
+        for ev in chat.send(prompt, max_new_tokens=settings.max_tokens, seed=settings.seed, grammar=grammar, **used):
             if isinstance(ev, engine.TextDelta):
                 if stream and ev.reasoning and show_thinking:
                     out.write(thinking.reasoning(ev.text))
@@ -264,7 +264,8 @@ def run_oneshot(args, settings) -> int:
     chat.keep()              # the next --continue prefills only its own prompt
     if args.json:
         record = {"model": eng.name, "text": done.text, "token_ids": list(done.token_ids),
-                  "finish_reason": done.reason, "stats": stats.as_dict() if stats else {}}
+                  "finish_reason": done.reason, "stats": stats.as_dict() if stats else {},
+                  "sampling": {**used, "seed": settings.seed}}
         if done.reasoning:
             record["reasoning"] = done.reasoning
         if done.error:

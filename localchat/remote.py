@@ -168,16 +168,20 @@ class RemoteChat(Messages):
             except OSError:
                 pass
 
-    def send(self, text: str, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int | None = None, grammar=None):
+    def send(self, text: str, max_new_tokens: int = 512, temperature: float | None = None,
+             top_p: float | None = None, top_k: int | None = None, seed: int | None = None, grammar=None):
+        """As engine.Chat.send. A sampling value left None is not sent: the server applies its
+        own default (vLLM and SGLang the model's generation_config.json, llama-server and
+        Ollama theirs)."""
         if not text or not text.strip():
             raise engine.BadRequest("the prompt is empty; type a question")
-        engine.SamplingParams(temperature, top_k, top_p, seed)      # the same checks as a local answer
+        # the same checks as a local answer
+        engine.SamplingParams(temperature or 0.0, top_k or 0, 1.0 if top_p is None else top_p, seed)
         body = {"model": self.engine.model, "messages": self.messages + [{"role": "user", "content": text}],
-                "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "stream": True,
-                "stream_options": {"include_usage": True}}
-        if top_k:
-            body["top_k"] = top_k
+                "max_tokens": max_new_tokens, "stream": True, "stream_options": {"include_usage": True}}
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+            if value is not None:
+                body[name] = value
         if seed is not None:
             body["seed"] = seed
         if self.thinking is not None:          # vLLM, SGLang, llama-server and localchat take it

@@ -31,9 +31,9 @@ class ChatRequest:
     model: str
     messages: list[dict]             # role + string content, the last one the user's
     max_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None  # None: the server's settings, else the model's recommendation
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -268,12 +268,19 @@ def _request(body: dict, messages: list[dict], prompt: str | None = None) -> Cha
         raise _bad("chat_template_kwargs.enable_thinking", "must be true or false")
     return ChatRequest(thinking=thinking, grammar=_grammar(body),
         model=body["model"], messages=messages, prompt=prompt, max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 0.0, 0, 2)),
-        top_p=float(_number(body, "top_p", 1.0, 0, 1)) or _raise(_bad("top_p", "must be above 0")),
-        top_k=_number(body, "top_k", 0, 0, 1 << 20, integer=True),
+        temperature=_float(_number(body, "temperature", None, 0, 2)),
+        top_p=_top_p(body),
+        top_k=_number(body, "top_k", None, 0, 1 << 20, integer=True),
         seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True),
         stop=_stop(body), stream=stream, include_usage=bool(opts.get("include_usage", False)))
 
 
-def _raise(exc: Exception):
-    raise exc
+def _float(v):
+    return None if v is None else float(v)
+
+
+def _top_p(body: dict) -> float | None:
+    v = _number(body, "top_p", None, 0, 1)
+    if v == 0:
+        raise _bad("top_p", "must be above 0")
+    return _float(v)

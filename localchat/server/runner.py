@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..common import sampling as resolve_sampling
 from .requests import ApiError, ChatRequest
 from .stops import StopWatch
 
@@ -147,8 +148,10 @@ class Runner:
                 return
         r, chat = job.request, slot.chat
         t0 = time.monotonic()
-        sampling = dict(max_new_tokens=r.max_tokens or self.default_max_tokens, temperature=r.temperature,
-                        top_p=r.top_p, top_k=r.top_k, seed=None if r.seed is None else r.seed % (1 << 63))
+        sampling = dict(max_new_tokens=r.max_tokens or self.default_max_tokens,
+                        seed=None if r.seed is None else r.seed % (1 << 63),
+                        **resolve_sampling(self.models.settings, slot.engine,
+                                           {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k}))
         try:
             if r.prompt is not None:                     # /v1/completions: plain text, no template
                 events = chat.complete(r.prompt, grammar=r.grammar, **sampling)

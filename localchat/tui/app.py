@@ -46,6 +46,7 @@ from textual.message import Message
 
 import engine
 from localchat import config
+from localchat.common import sampling
 from localchat.config import Settings
 
 from .answer_stream import AnswerStreaming
@@ -290,8 +291,7 @@ class ChatApp(CommandHandlers, ConversationHandlers, EngineLoading, ContextRoom,
         try:
             # send() checks its arguments before it changes the conversation: a bad
             # setting is refused here, with nothing on screen to undo.
-            events = self.chat.send(prompt, max_new_tokens=s.max_tokens, temperature=s.temperature,
-                                    top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+            events = self.chat.send(prompt, max_new_tokens=s.max_tokens, seed=s.seed, **sampling(s, self.engine))
         except engine.EngineError as exc:
             self.chat.restore(before)
             self.notify(str(exc), severity="error")

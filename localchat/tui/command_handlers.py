@@ -3,6 +3,7 @@ ChatApp: these methods use its chat, engine, store and widgets, and run on the U
 (a drafter that has to load goes to the engine thread)."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,12 +78,18 @@ class CommandHandlers:
         self.notify(f"System message: {argument}" if argument else "System message removed", timeout=3)
 
     async def command_temperature(self, argument: str) -> None:
+        if argument.strip().lower() in ("model", "default"):
+            self.settings = replace(self.settings, temperature=None)
+            self.notify(f"Temperature as the model recommends for the next answers: {_temperature_text(self.engine)}",
+                        timeout=4)
+            return
         try:
             t = float(argument)
-            if not t >= 0:
+            if not (t >= 0 and math.isfinite(t)):
                 raise ValueError
         except ValueError:
-            self.notify(f"/temperature {argument}: a number, 0 (greedy) or more", severity="error")
+            self.notify(f"/temperature {argument}: a number, 0 (greedy) or more, or 'model' for the model's "
+                        "recommendation", severity="error")
             return
         self.settings = replace(self.settings, temperature=t)
         self.notify(f"Temperature {t:g} for the next answers", timeout=3)
@@ -180,7 +187,17 @@ class CommandHandlers:
                 self.theme = settings.theme
             self.persist_settings(SAVED_KEYS)
             self.notify("Settings saved", timeout=2)
-        self.push_screen(SettingsScreen(self.settings, sorted(self.available_themes)), saved)
+        model = getattr(self.engine, "sampling", None)      # None: loading, or a backend's model
+        self.push_screen(SettingsScreen(self.settings, sorted(self.available_themes),
+                                        None if model is None else model.temperature), saved)
+
+
+def _temperature_text(eng) -> str:
+    """The temperature the loaded model recommends, in words."""
+    model = getattr(eng, "sampling", None)
+    if model is None:
+        return "the server's own" if eng is not None else "known once the model has loaded"
+    return "0 (greedy)" if model.greedy else f"{model.temperature:g}"
 
 
 def _thinks(eng) -> bool:

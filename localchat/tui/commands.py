@@ -32,7 +32,8 @@ COMMANDS = (
     SlashCommand("drafter", "KIND", "speculative drafter: auto, ngram, model, mtp, none", True),
     SlashCommand("think", "[on|off]", "a thinking model reasons first (on) or answers at once (off); "
                                      "no argument: its template's default"),
-    SlashCommand("temperature", "T", "sampling temperature for the next answers (0 = greedy)", True),
+    SlashCommand("temperature", "T", "sampling temperature for the next answers (0 = greedy; "
+                                     "'model': the model's recommendation)", True),
     SlashCommand("stats", "", "the statistics of the last answer"),
     SlashCommand("export", "[FILE]", "write this conversation as Markdown (default: ./localchat-ID.md)"),
     SlashCommand("settings", "", "theme, default temperature, max tokens, system prompt"),

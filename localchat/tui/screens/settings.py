@@ -5,6 +5,7 @@ until all are right); the app applies the result and writes these four keys to t
 config file, leaving the file's other keys as they were. Esc cancels."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from textual.app import ComposeResult
@@ -52,9 +53,10 @@ class SettingsScreen(ModalScreen[Settings | None]):
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, settings: Settings, themes: list[str]) -> None:
+    def __init__(self, settings: Settings, themes: list[str], model_temperature: float | None = None) -> None:
+        """model_temperature: what the loaded model recommends (shown while the setting is empty)."""
         super().__init__()
-        self.settings, self.themes = settings, themes
+        self.settings, self.themes, self.model_temperature = settings, themes, model_temperature
 
     def compose(self) -> ComposeResult:
         s = self.settings
@@ -63,8 +65,10 @@ class SettingsScreen(ModalScreen[Settings | None]):
             yield Label("Theme")
             yield Select([(t, t) for t in self.themes], value=s.theme if s.theme in self.themes else Select.BLANK,
                          allow_blank=False, id="theme")
-            yield Label("Default temperature (0 = greedy)")
-            yield Input(str(s.temperature), id="temperature")
+            yield Label("Default temperature (0 = greedy; empty = the model's recommendation)")
+            model = "" if self.model_temperature is None else f": {self.model_temperature:g}"
+            yield Input("" if s.temperature is None else f"{s.temperature:g}", id="temperature",
+                        placeholder=f"the model's{model}")
             yield Label("Max tokens per answer")
             yield Input(str(s.max_tokens), id="max-tokens")
             yield Label("System prompt (for new conversations)")
@@ -79,11 +83,11 @@ class SettingsScreen(ModalScreen[Settings | None]):
         temperature = self.query_one("#temperature", Input).value.strip()
         max_tokens = self.query_one("#max-tokens", Input).value.strip()
         try:
-            t = float(temperature)
-            if not t >= 0:
+            t = float(temperature) if temperature else None
+            if t is not None and not (t >= 0 and math.isfinite(t)):
                 raise ValueError
         except ValueError:
-            return f"temperature {temperature!r}: a number, 0 or more"
+            return f"temperature {temperature!r}: a number, 0 or more (empty: the model's recommendation)"
         try:
             n = int(max_tokens)
             if n < 1:
