@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 
-def write_gguf(src: Path, out: Path) -> Path:
+def write_gguf(src: Path, out: Path, sampling: dict | None = None) -> Path:
+    """`sampling`: general.sampling.* keys to write, as llama.cpp's converter copies them
+    from a generation_config.json ({"temp": 0.6, "top_p": 0.95, "top_k": 20})."""
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
@@ -65,6 +67,8 @@ def write_gguf(src: Path, out: Path) -> Path:
     w.add_eos_token_id(tok.eos_token_id)
     w.add_pad_token_id(tok.pad_token_id)
     w.add_chat_template(tok.chat_template)
+    for key, value in (sampling or {}).items():
+        getattr(w, f"add_sampling_{key}")(value)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

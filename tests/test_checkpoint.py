@@ -119,3 +119,18 @@ def test_check_finite_finds_nan_and_inf_and_not_an_overflowing_sum():
             with pytest.raises(BadWeights, match=r"here: tensor w holds 1 non-finite values \(NaN or inf\) of its "):
                 checkpoint.check_finite([("ok", torch.zeros(3)), ("w", t)], "here")
     checkpoint.check_finite([("ids", torch.tensor([1, 2, 3]))], "here")           # integers are not checked
+
+
+def test_a_gguf_files_recommended_sampling_imports_with_it(tmp_path, tiny_llama):
+    """The general.sampling.* keys llama.cpp's converter copies from a generation_config.json
+    come back into the imported checkpoint's generation_config.json, so the engine
+    recommends what the file does; a GGUF without them recommends greedy."""
+    from gguf_writer import write_gguf
+    sampled = write_gguf(tiny_llama, tmp_path / "sampled.gguf", sampling={"temp": 0.6, "top_p": 0.95, "top_k": 20})
+    plain = write_gguf(tiny_llama, tmp_path / "plain.gguf")
+    eng = engine.open(str(sampled), drafter="none", cache_dir=tmp_path / "cache")
+    written = json.loads((eng.checkpoint.path / "generation_config.json").read_text())
+    assert {k: written[k] for k in ("do_sample", "temperature", "top_p", "top_k")} == \
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert (eng.sampling.temperature, eng.sampling.top_p, eng.sampling.top_k) == (0.6, 0.95, 20)
+    assert engine.open(str(plain), drafter="none", cache_dir=tmp_path / "cache").sampling.greedy

@@ -192,3 +192,30 @@ def test_saving_a_config_drops_its_retired_settings(tmp_path):
     settings, warnings = config.load(path, {})
     assert (settings.model, settings.theme, warnings) == ("m", "nord", [])
     assert "compile" not in path.read_text()
+
+
+def test_an_answer_samples_as_the_model_recommends_unless_told_otherwise(tmp_path, tiny_llama):
+    """A checkpoint whose generation_config.json samples is answered with its values (the
+    --json record says which), seeded runs repeat; -t 0 answers greedy, token for token
+    what the same weights answer without the recommendation; a flag overrides one value
+    and the model's others stay."""
+    import json
+    import shutil
+    model = shutil.copytree(tiny_llama, tmp_path / "m")
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 1.5,
+                                                              "top_p": 0.9, "top_k": 50}))
+
+    def answer(path, *flags):
+        proc = run_cli("--model", str(path), "-n", "24", "--drafter", "none", "--json", "--no-log", *flags, "Hello")
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    sampled, again = answer(model, "--seed", "3"), answer(model, "--seed", "3")
+    assert sampled["sampling"] == {"temperature": 1.5, "top_p": 0.9, "top_k": 50, "seed": 3}
+    assert sampled["token_ids"] == again["token_ids"]
+    greedy, plain = answer(model, "-t", "0"), answer(tiny_llama)
+    assert greedy["sampling"]["temperature"] == 0 and plain["sampling"]["temperature"] == 0
+    assert greedy["token_ids"] == plain["token_ids"] != sampled["token_ids"]
+    assert answer(model, "--top-k", "5", "--seed", "3")["sampling"] == {"temperature": 1.5, "top_p": 0.9, "top_k": 5,
+                                                                        "seed": 3}

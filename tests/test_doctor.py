@@ -172,3 +172,25 @@ def test_doctor_and_setup_plan_a_hub_model_from_its_config_alone(tmp_path, token
     assert proc.returncode != 0 and b"acme/tiny-hybrid" in proc.stderr    # the weights cannot be fetched offline
     proc = subprocess.run(setup + ["--vram", "50KB"], capture_output=True, timeout=240, env=run)
     assert proc.returncode == 1 and b"does not fit this machine" in proc.stderr
+
+
+def test_doctor_says_what_an_answer_samples_with_and_why(tmp_path, tiny_llama):
+    """The model's recommendation and where it came from; the user's settings, where they
+    override it; the JSON gives both."""
+    import shutil
+    model = shutil.copytree(tiny_llama, tmp_path / "m")
+    written = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**written, "do_sample": True, "temperature": 0.6,
+                                                              "top_p": 0.95, "top_k": 20}))
+    greedy = run_doctor("--model", str(tiny_llama)).stdout.decode()
+    assert ("Sampling: greedy (the model's generation_config.json does not sample); -t/--temperature samples "
+            "instead") in greedy
+    sampled = run_doctor("--model", str(model)).stdout.decode()
+    assert ("Sampling: temperature 0.6, top-p 0.95, top-k 20 (the model's generation_config.json); -t 0 answers "
+            "greedy") in sampled
+    mine = run_doctor("--model", str(model), env={"LOCALCHAT_TEMPERATURE": "0"}).stdout.decode()
+    assert "; your settings (temperature) make it greedy" in mine
+    out = json.loads(run_doctor("--model", str(model), "--json", env={"LOCALCHAT_TOP_K": "5"}).stdout)
+    assert out["sampling"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 5,
+                               "model_recommends": {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                    "source": "the model's generation_config.json"}}

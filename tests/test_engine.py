@@ -184,6 +184,53 @@ def test_top_p_keeps_the_nucleus():
     assert (p > 0).sum() == 3
 
 
+@pytest.mark.parametrize("written, want, note", [
+    ({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}, (0.6, 0.95, 20), "generation_config.json"),
+    ({"do_sample": True, "temperature": 0.7}, (0.7, 1.0, 0), "generation_config.json"),
+    ({"do_sample": True, "temperature": None, "top_k": 40}, (1.0, 1.0, 40), "generation_config.json"),
+    ({"temperature": 0.6, "top_p": 0.95}, (0.0, 1.0, 0), "does not sample"),
+    ({"do_sample": "yes", "temperature": 0.6}, (0.0, 1.0, 0), "does not sample"),
+    ({"do_sample": True, "temperature": -1}, (0.0, 1.0, 0), "out of range"),
+    ({"do_sample": True, "top_p": 1.5}, (0.0, 1.0, 0), "out of range"),
+    ({"do_sample": True, "top_k": 2.5}, (0.0, 1.0, 0), "out of range"),
+    ({"do_sample": True, "temperature": "hot"}, (0.0, 1.0, 0), "out of range"),
+    ([0.6], (0.0, 1.0, 0), "does not sample"),
+    (None, (0.0, 1.0, 0), "has no generation_config.json"),
+    ("{not json", (0.0, 1.0, 0), "cannot be read"),
+])
+def test_the_models_recommended_sampling_comes_from_its_generation_config(tmp_path, written, want, note):
+    """Sampling is what the file turns on (do_sample true, as transformers reads it), with
+    the values it writes and the neutral ones for those it leaves out; anything else is
+    greedy, with a note that says why."""
+    import json
+    from engine.sampling import describe, model_defaults
+    if written is not None:
+        text = written if isinstance(written, str) else json.dumps(written)
+        (tmp_path / "generation_config.json").write_text(text)
+    params, why = model_defaults(tmp_path)
+    assert (params.temperature, params.top_p, params.top_k) == want
+    assert why.endswith(note)
+    assert describe(params) == ("greedy" if want[0] == 0 else
+                                f"temperature {want[0]:g}, top-p {want[1]:g}, top-k {want[2] or 'off'}")
+
+
+def test_an_engine_carries_its_models_recommendation_and_send_stays_greedy(tmp_path, tiny_llama):
+    """eng.sampling is the checkpoint's recommendation, for the app to use; send() itself,
+    told nothing, answers greedy whatever the model recommends."""
+    import json
+    import shutil
+    model = shutil.copytree(tiny_llama, tmp_path / "m")
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.6,
+                                                              "top_k": 20}))
+    eng = engine.open(str(model))
+    assert (eng.sampling.temperature, eng.sampling.top_k, eng.sampling.top_p) == (0.6, 20, 1.0)
+    assert eng.sampling_note == "the model's generation_config.json"
+    assert engine.open(str(tiny_llama)).sampling.greedy
+    greedy = list(engine.open(str(tiny_llama)).chat().send("Hello", max_new_tokens=12))[-1].token_ids
+    assert list(eng.chat().send("Hello", max_new_tokens=12))[-1].token_ids == greedy
+
+
 def test_cancel_from_another_thread(tiny_llama):
     eng = engine.open(str(tiny_llama))
     eng.stop_ids = frozenset()

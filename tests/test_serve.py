@@ -195,3 +195,34 @@ def test_a_request_that_waits_too_long_is_refused(model):
         assert status == 503 and body["error"]["code"] == "queue_timeout" and int(headers["retry-after"]) >= 1
     finally:
         s.stop()
+
+
+def test_a_request_without_sampling_values_gets_the_models_recommendation(tmp_path, tiny_llama):
+    """Unset in the request and in the user's settings, temperature, top-p and top-k are
+    what the checkpoint's generation_config.json recommends (as vLLM serves them); a
+    request's own value wins, and temperature 0 is plain greedy."""
+    import json
+    import shutil
+    path = shutil.copytree(tiny_llama, tmp_path / "m")
+    written = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**written, "do_sample": True, "temperature": 1.5,
+                                                             "top_p": 0.9, "top_k": 50}))
+    eng = engine.open(str(path), dtype="float32", drafter="none")
+
+    def local(**sampling):
+        return list(eng.chat("You are terse.").send("the cat sat on the mat", max_new_tokens=16,
+                                                   **sampling))[-1].text
+
+    s = Server(path, "--served-model-name", "served", env={"LOCALCHAT_CONFIG_DIR": str(tmp_path / "config")})
+    try:
+        client = openai.OpenAI(base_url=s.url, api_key="none", max_retries=0)
+
+        def served(**sampling):
+            return client.chat.completions.create(model="served", messages=MSGS, max_tokens=16,
+                                                  **sampling).choices[0].message.content
+
+        assert served(seed=3) == local(temperature=1.5, top_p=0.9, top_k=50, seed=3)
+        assert served(seed=3, extra_body={"top_k": 5}) == local(temperature=1.5, top_p=0.9, top_k=5, seed=3)
+        assert served(temperature=0) == local() != local(temperature=1.5, top_p=0.9, top_k=50, seed=3)
+    finally:
+        s.stop()

@@ -95,7 +95,8 @@ def test_copy_the_answer_a_code_block_by_click_and_by_number(tiny_engine, tmp_pa
 
 
 def test_slash_commands(tiny_engine, tmp_path, monkeypatch):
-    """/temperature changes the next answers' temperature (a bad value is refused);
+    """/temperature changes the next answers' temperature (a bad value is refused;
+    'model' returns to the model's recommendation);
     /system sets the conversation's system message (in the engine and saved); /stats
     shows the last answer's statistics; /export writes Markdown; /help lists keys and
     commands; an unknown command is refused by name; //x sends "/x" as a prompt;
@@ -112,6 +113,8 @@ def test_slash_commands(tiny_engine, tmp_path, monkeypatch):
             assert app.settings.temperature == 0.5
             await submit(pilot, "/temperature hot")
             assert app.settings.temperature == 0.5 and "/temperature hot" in notes[-1]
+            await submit(pilot, "/temperature model")
+            assert app.settings.temperature is None and notes[-1].endswith("the next answers: 0 (greedy)")
             await send_and_wait(pilot, app, "hello")
             await submit(pilot, "/system Be terse.")
             assert app.chat.messages[0] == {"role": "system", "content": "Be terse."}
@@ -246,10 +249,13 @@ def test_gauges_panel_shows_live_figures_sparkline_and_memory_plan(tiny_engine):
         tiny_engine.stop_ids = stop_ids
 
 
-def test_settings_screen_saves_to_the_config_file(tiny_engine):
+def test_settings_screen_saves_to_the_config_file(tiny_engine, tmp_path, monkeypatch):
     """F2 opens the settings; a bad temperature is refused in the dialog; Save applies
     the theme, temperature, max tokens and system prompt and writes them to the config
-    file; a theme changed elsewhere (the palette) is persisted too."""
+    file; a theme changed elsewhere (the palette) is persisted too. Its own config
+    directory: a temperature left in the run's shared one would make every later answer
+    sample."""
+    monkeypatch.setenv("LOCALCHAT_CONFIG_DIR", str(tmp_path / "config"))
 
     async def main():
         app = ChatApp(loader(tiny_engine), Settings(), save_settings=True)
@@ -274,6 +280,16 @@ def test_settings_screen_saves_to_the_config_file(tiny_engine):
             app.theme = "gruvbox"
             await pilot.pause()
             assert tomllib.loads(config.config_path().read_text())["theme"] == "gruvbox"
+            # emptied, the temperature is the model's again, and leaves the file
+            await pilot.press("f2")
+            await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="the settings")
+            field = app.screen.query_one("#temperature")
+            assert field.value == "0.8" and field.placeholder == "the model's: 0"
+            field.value = ""
+            app.screen.query_one("#save").press()
+            await wait_for(pilot, lambda: not isinstance(app.screen, SettingsScreen), what="the dialog to close")
+            assert app.settings.temperature is None
+            assert "temperature" not in tomllib.loads(config.config_path().read_text())
 
     asyncio.run(main())
 
