@@ -85,8 +85,9 @@ SAMPLING = ("temperature", "top_p", "top_k")
 
 
 def _neutral(name: str, value):
-    """A sampling setting's value, or where it is unset, the value that changes nothing."""
-    return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}[name] if value is None else value
+    """A sampling setting's value, or where it is unset, greedy's (SamplingParams' default)."""
+    from engine.sampling import SamplingParams
+    return getattr(SamplingParams(), name) if value is None else value
 
 
 def sampling(settings: config_mod.Settings, eng, request: dict | None = None) -> dict:

@@ -175,7 +175,7 @@ def _sampling_text(path: Path, settings) -> str:
     line = f"Sampling: {describe(model)} ({source})"
     mine = [name for name in SAMPLING if getattr(settings, name) is not None]
     if mine:
-        used = SamplingParams(**{k: v for k, v in sampling(settings, model).items()})
+        used = SamplingParams(**sampling(settings, model))
         line += f"; your settings ({', '.join(mine)}) make it {describe(used)}"
     elif model.greedy:
         line += "; -t/--temperature samples instead"
