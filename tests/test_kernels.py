@@ -257,6 +257,29 @@ def test_a_prefills_bf16_product_is_right_in_either_form(bias):
     assert gemm.native_bf16() == (row_kernel.isa(torch.bfloat16) != "avx2")
 
 
+def test_the_widened_product_runs_in_and_out_of_inference_mode_and_on_any_thread():
+    # its reused block buffer is a normal tensor, whichever mode made it: a buffer made in
+    # inference mode could not be filled outside it (the widened path of CPUs without bf16
+    # instructions, reached here on any CPU through blocks())
+    import threading
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(2 * (gemm.BLOCK // 64) + 3, 64, generator=g)
+    want = (x.double() @ w.double().t()).to(torch.bfloat16)
+
+    def product():
+        return gemm.blocks(x, w.shape[0], lambda n0, n1, out: out.copy_(w[n0:n1]))
+    results = []
+    thread = threading.Thread(target=lambda: results.append(product()))
+    with torch.inference_mode():
+        results.append(product())
+        thread.start()
+        thread.join()
+    results.append(product())
+    for got in results:
+        assert ((got.double() - want.double()).abs() <= 2 ** -7 * want.double().abs() + 1e-3).all()
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("M", [20, 100])
 def test_a_quantized_prefill_product_is_the_definition_in_either_form(kind, M):

@@ -143,7 +143,8 @@ def blocks(x: torch.Tensor, N: int, fill, bias: torch.Tensor | None = None) -> t
     step = max(1, BLOCK // max(K, 1))
     buf = getattr(_buf, "t", None)
     if buf is None or buf.numel() < step * K:
-        buf = _buf.t = torch.empty(step * K, dtype=torch.float32)
+        with torch.inference_mode(False):     # a normal tensor: filled in place inside inference mode or out of it
+            buf = _buf.t = torch.empty(step * K, dtype=torch.float32)
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
         wb = buf[:(n1 - n0) * K].view(n1 - n0, K)
