@@ -151,7 +151,7 @@ def doctor_main(argv: list[str]) -> int:
               "offers to drop or summarise the oldest turns before one would not fit.")
     if ckpt is not None:
         print(_sampling_text(ckpt.path, settings))
-    threads = _streaming_threads_text(plan, shape, hw, planned)
+    threads = _streaming_threads_text(plan, shape, hw)
     if threads:
         print(threads)
     replay = _replay_text(plan, shape, profs)
@@ -237,21 +237,22 @@ def _replay_text(plan, shape, profs) -> str | None:
             f"{planner.gb(per_position)}, {per_position / replay:.0f}x as much.")
 
 
-def _streaming_threads_text(plan, shape, hw, context: int) -> str | None:
-    """For a streamed plan on a CPU: whether one-token steps may leave the readers a core
-    (engine/targets/thread_check.py), from the attention check, which needs no weights."""
+def _streaming_threads_text(plan, shape, hw) -> str | None:
+    """For a streamed plan on a CPU: whether one-token steps may leave the prefetch readers a
+    core (engine/targets/streamed.py: only where they run in localchat's kernels)."""
     if plan.chosen != "streamed-exact" or hw.device != "cpu":
         return None
     if shape.state_bytes:
-        return ("Streamed compute: on all threads (a hybrid streams transformers' own layers; the check that lets "
-                "one-token steps leave the readers a core covers the Llama-family forward).")
+        return ("Streamed compute: on all threads (a hybrid streams transformers' own layers, whose bits may "
+                "change with the thread count).")
     import torch
-    from engine.targets import thread_check
+    from engine.kernels import layer_kernel
     dtype = torch.float32 if shape.dtype_bytes == 4 else torch.bfloat16
-    check = thread_check.for_streaming(shape.heads, shape.kv_heads, shape.head_dim, dtype, context)
-    if check is None:
-        return None
-    return f"Streamed compute: {check.reason} (attention checked now; a layer's products when the model loads)."
+    why = layer_kernel.why_not(dtype)
+    if why:
+        return f"Streamed compute: on all threads (torch's kernels here: {why}; their bits may change with the thread count)."
+    return ("Streamed compute: one-token steps leave the prefetch readers a core (localchat's kernels give the same "
+            "bits on any thread count).")
 
 
 def _bandwidth_text(read: dict, bw: dict, device: str, remeasured: bool) -> str:

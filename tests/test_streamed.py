@@ -80,9 +80,10 @@ def test_streamed_logits_equal_resident_bit_for_bit(request, fixture, share, tor
     st.close()
 
 
-def test_split_threads_only_where_the_check_found_the_same_bits(tiny_llama, torch_threads):
-    """The one-token step runs on fewer threads than the resident target only if
-    thread_check found identical bits on this machine; it says which it chose and why."""
+def test_split_threads_only_where_steps_run_in_localchats_kernels(tiny_llama, torch_threads):
+    """One-token steps leave the prefetch readers a core only where they run in localchat's
+    kernels, whose bits do not depend on the thread count; on torch's kernels every step
+    runs on every thread. It says which it chose and why."""
     st = load_streamed(tiny_llama, CPU, torch.float32, weight_budget=minimum_budget(tiny_llama, CPU, torch.float32))
     reason = st.describe()["compute_threads"]
     if torch_threads == 1:
@@ -91,34 +92,14 @@ def test_split_threads_only_where_the_check_found_the_same_bits(tiny_llama, torc
     assert st.split is not None and st.split.reason == reason
     st.forward([1, 2, 3])
     assert st._compute_threads(5) is None                         # a verify pass: always every thread
-    assert st._compute_threads(1) == st.split.threads             # None where the bits differ here
-    if st.split.threads is None:
-        assert "gives other bits" in reason
-    else:
-        assert st.split.threads < torch_threads and "checked bit-identical" in reason
-
-
-def test_thread_check_refuses_an_op_whose_bits_follow_the_thread_count():
-    from engine.targets import thread_check
-
-    def attend(q, keys, values):          # sums in an order that depends on the thread count
-        n = torch.get_num_threads()
-        return sum((values[:, :, i::n].sum(2, keepdim=True) for i in range(n)), torch.zeros_like(values[:, :, :1]))
-
-    def exact(q, keys, values):
-        return values.sum(2, keepdim=True)
-
-    before = torch.get_num_threads()
-    args = (4, 2, 16, torch.float32, CPU, 300, 1, 2)
-    bad = thread_check.check_split(attend, *args)
-    assert bad.threads is None and "attention over" in bad.reason and "gives other bits" in bad.reason
-    fixed = thread_check.check_split(exact, *args, fixed_ops=lambda: torch.tensor([float(torch.get_num_threads())]))
-    assert fixed.threads is None and "matrix products" in fixed.reason
-    good = thread_check.check_split(exact, *args, fixed_ops=lambda: torch.ones(3))
-    assert good.threads == 1 and good.upto == 300 and "checked bit-identical" in good.reason
-    assert torch.get_num_threads() == before
-    assert thread_check.lengths(10_000)[:64] == list(range(1, 65)) and 8192 in thread_check.lengths(10_000)
-    assert thread_check.lengths(10_000)[-1] == 10_000 and thread_check.lengths(1 << 20)[-1] == thread_check.MAX_CHECKED
+    if st.impl.steps_in_kernels():
+        assert st._compute_threads(1) == st.split.threads < torch_threads
+        assert "same bits on any thread count" in reason
+    st.impl._one = None                                           # as where layer.c does not run
+    st.split = None
+    st._check_split()
+    assert st.split.threads is None and st._compute_threads(1) is None and "torch's kernels" in st.split.reason
+    st.close()
 
 
 def test_every_weight_the_forwards_read_starts_on_64_bytes(tiny_llama, tiny_bf16):

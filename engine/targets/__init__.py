@@ -1,7 +1,7 @@
 """Where a target's weights live (how they compute is engine/models/): resident.py on the
 device in the checkpoint's dtype, quantized.py int8/int4 (qweights.py the kernels, qcache.py
 the cache of quantized layers), streamed.py layer by layer from RAM or disk (layer_index.py,
-prefetch.py, thread_check.py). Every target offers the same small interface:
+prefetch.py). Every target offers the same small interface:
 
     target.forward(ids, all_logits=False) -> float32 logits   (appends to target.cache)
     target.cache                           the KVCache (rollback moves its length)

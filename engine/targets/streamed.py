@@ -26,10 +26,25 @@ from .. import planner
 from ..errors import BadRequest, EngineError, UnsupportedModel
 from ..kernels import layer_kernel
 from ..models import llama_family, moe, rows
-from . import layer_index, streamed_modules, thread_check
-from ..cache import KVCache
+from . import layer_index, streamed_modules
 from .resident import ResidentTarget
 from .prefetch import Counters, Filler, Files, Ledger, Prefetcher, Slot, byte_view
+
+
+@dataclass(frozen=True)
+class SplitCheck:
+    """How many threads one-token steps compute on (None: torch's setting, every thread)
+    out of `full`, and a sentence saying why."""
+    threads: int | None
+    reason: str
+    full: int = 0
+
+    @property
+    def short(self) -> str:
+        """The choice in a few words, for a stats line."""
+        if self.threads is None:
+            return f"steps on all {self.full} threads (torch's kernels)"
+        return f"steps on {self.threads} of {self.full} threads (same bits on any count)"
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,14 @@ class StreamedForward(llama_family.LlamaFamilyForward):
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:
         return self.t.head(x, self._row_kernel(x.shape[0]))
+
+    def steps_in_kernels(self) -> bool:
+        """Whether a one-token step runs in localchat's kernels from the first layer to the
+        logits (layer.c a layer at a time, its final norm, the head through the row kernel).
+        Those compute every output on one thread, summing in one order, so a step's bits do
+        not depend on the thread count; torch's do (its attention over one query row adds
+        the threads' partial sums in their order)."""
+        return self._one is not None and self._kernel and self._one_fits is not False
 
 
 class StreamedTarget:
@@ -173,7 +196,7 @@ class StreamedTarget:
         self._passes, self._pass_seconds = 0, 0.0
         self._retried_oom = False
         self.split_threads = True     # _compute_threads; benchmarks/streamed.py compares without
-        self.split: thread_check.SplitCheck | None = None
+        self.split: SplitCheck | None = None
         self._check_split()
 
     # -- placement and loading
@@ -271,49 +294,32 @@ class StreamedTarget:
     def _check_split(self) -> None:
         """Decide, once, whether one-token steps may compute on fewer threads (see
         _compute_threads): only on the CPU, only when units are streamed (else no reader
-        needs a core), and only if thread_check finds the bits unchanged on this machine."""
+        needs a core), and only where a step runs in localchat's kernels from the first
+        layer to the logits (StreamedForward.steps_in_kernels)."""
         cores = torch.get_num_threads()
         if self.split is not None or self.device.type != "cpu" or cores < 2 or not self.prefetcher.slots \
-                or self.modules:      # the check covers the Llama-family forward's ops only
+                or self.modules:      # transformers' layers: torch's kernels
             return
         few = max(1, cores - self.filler.readers)
-        slot = self.prefetcher.slots[0]          # not in use yet: the reader starts at the first pass
-        with torch.inference_mode():
-            slot.flat.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
-        self.split = thread_check.check_split(
-            self.impl._attend, self.impl.heads, self.impl.kv_heads, self.impl.head_dim, self.dtype, self.device,
-            self.cache.max_positions, few, cores, fixed_ops=lambda: self._fixed_ops(slot))
-
-    def _fixed_ops(self, slot: Slot) -> torch.Tensor:
-        """Everything of a one-token step but attention over a long cache, on a slot's real
-        layout (random weights): a layer on a scratch one-position cache, then each piece
-        of the head. Their shapes do not depend on the position."""
-        impl = self.impl
-        h = torch.randn(1, self.index.embed.shape[1], generator=torch.Generator().manual_seed(1)).to(self.dtype)
-        cos, sin = impl._rope(0, 1, h)
-        real, impl.cache = impl.cache, KVCache(1, impl.kv_heads, impl.head_dim, self.dtype, self.device, 1)
-        try:
-            out = impl._layer(0, slot.views, h, 0, cos.view(1, 1, -1), sin.view(1, 1, -1), None, False, False)
-        finally:
-            impl.cache = real
-        x = impl._rms(out, self.norm)
-        heads = [rows.mm(x, slot.flat[:u.numel].view(u.rows, -1).t(), self.pad_rows, impl._row_kernel(1))
-                 for u in self.index.head_units]
-        return torch.cat([out.float().view(-1)] + [t.float().view(-1) for t in heads])
+        if self.impl.steps_in_kernels():
+            self.split = SplitCheck(few, f"one-token steps on {few} of {cores} threads, the readers on the rest: "
+                                         "localchat's kernels give the same bits on any thread count", cores)
+        else:
+            self.split = SplitCheck(None, f"one-token steps on all {cores} threads: they run torch's kernels here "
+                                          f"({self.impl.layer_kernel_note}), whose bits may change with the thread "
+                                          "count", cores)
 
     def _compute_threads(self, positions: int) -> int | None:
         """How many threads a pass over `positions` should compute with, or None for
         torch's setting. When the device is the CPU, compute and the prefetch readers share
         its cores, and torch's OpenMP workers spin between operators: a one-token step
-        computed on every core starves the readers. Measured on the demo model with a
-        quarter of it resident (2 cores, warm, benchmarks/streamed.py, same run): 164 ms a
-        step on both cores, 110 ms on one. Only one-token steps, and only where
-        thread_check found them bit for bit the same on fewer threads on this machine (with
-        torch 2.13 attention over one query row is not: self.split says so), since the
-        logits must be the resident target's; a wider pass always runs on every thread."""
+        computed on every core starves the readers (benchmarks/streamed.py measures it).
+        Only one-token steps, and only where they run in localchat's kernels: the logits
+        must be the resident target's, and a verify pass (always on every thread) must give
+        each row a one-token step's bits."""
         s = self.split
         if (positions != 1 or not self.split_threads or s is None or s.threads is None
-                or self.cache.length + 1 > s.upto or torch.get_num_threads() != s.full):
+                or torch.get_num_threads() != s.full or not self.impl.steps_in_kernels()):
             return None
         return s.threads
 
