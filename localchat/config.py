@@ -38,8 +38,12 @@ class Settings:
     backend_model: str | None = None  # which of its models (default: the first it lists)
     chat_template: str | None = None  # a Jinja chat template file used instead of the model's own
     resume_budget: str = "4GiB"       # disk the conversations' kept caches may take (engine/resume.py); 0 = none
+    allow_hosts: str | None = None    # serve: Host names served besides loopback's, comma-separated ("*": any)
+    allow_origins: str | None = None  # serve: web origins let in besides loopback's, comma-separated
 
 
+# Settings that hold several names: a TOML list or one comma-separated string.
+LISTS = ("allow_hosts", "allow_origins")
 # The environment names each setting takes, e.g. LOCALCHAT_MODEL, LOCALCHAT_MAX_TOKENS.
 _TYPES = {f.name: f.type for f in fields(Settings)}
 # Settings earlier versions wrote that mean nothing now: read with a note, dropped on save.
@@ -76,6 +80,8 @@ def _coerce(name: str, value, source: str):
     try:
         if value is None or value == "":
             return None if "None" in kind else _default(name)
+        if name in LISTS and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = ",".join(value)                # a list of names is the same as their comma-separated string
         if isinstance(value, (bool, list, dict)):   # no setting is a flag, a list or a table
             raise TypeError(value)
         if kind.startswith("int"):

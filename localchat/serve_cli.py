@@ -1,9 +1,11 @@
 """`localchat serve`: the engine behind an OpenAI-compatible HTTP API (localchat/server/).
 
     localchat serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue 4]
+                    [--allow-host NAME] [--allow-origin ORIGIN]
                     [every model, profile and drafter flag of the chat]
 
-Loopback only unless --host says otherwise; --host 0.0.0.0 without --api-key warns. The
+Loopback only unless --host says otherwise; --host 0.0.0.0 without --api-key warns. Web pages
+are kept out (server/guard.py) unless --allow-origin lets them in. The
 engine loads once, after the port is open (GET /health: loading, then ready). One line per
 request on stderr."""
 from __future__ import annotations
@@ -32,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get("LOCALCHAT_API_KEY"),
                    help="require `Authorization: Bearer KEY` (default: $LOCALCHAT_API_KEY, else none)")
+    p.add_argument("--allow-host", action="append", metavar="NAME",
+                   help="also serve requests addressed to this host name (repeatable; for a reverse proxy or a LAN "
+                        "name; '*' any). Loopback names and the --host address are always served")
+    p.add_argument("--allow-origin", action="append", metavar="ORIGIN",
+                   help="let web pages from this origin use the server, e.g. http://example.com:3000 (repeatable; "
+                        "'*' any page; globs like 'chrome-extension://*'). Loopback origins are always let in")
     p.add_argument("--max-queue", type=int, default=4, metavar="N",
                    help="requests that may wait while one is answered (default 4); more get 503 and Retry-After")
     p.add_argument("--queue-timeout", type=float, default=120.0, metavar="S",
@@ -80,7 +88,9 @@ def serve_main(argv: list[str]) -> int:
     runner = Runner(functools.partial(open_engine, resume=True), models, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                     max_tokens=settings.max_tokens)
     runner.start()
-    app = make_app(runner, api_key=args.api_key)
+    app = make_app(runner, api_key=args.api_key, host=args.host,
+                   allow_hosts=[settings.allow_hosts, *(args.allow_host or [])],
+                   allow_origins=[settings.allow_origins, *(args.allow_origin or [])])
     host, port = sock.getsockname()[:2]
     more = f" (and {len(models.slots) - 1} more on demand)" if len(models.slots) > 1 else ""
     print(f"localchat serve: http://{host if ':' not in host else f'[{host}]'}:{port}/v1 · model {name!r}{more} · "

@@ -10,7 +10,6 @@ llama-server's `timings`, the engine's own figures for the answer."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -19,17 +18,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from . import ollama, responses
+from .guard import Guard
 from .jobs import error_response as _error, first_event as _first, log as _log, next_event as _next, openai_calls
 from .requests import ApiError, parse_chat, parse_completion
 from .runner import Job, Runner
 
-MAX_BODY = 4 << 20                      # bytes: a conversation, not an upload
 
-
-def timings(stats, profile: str | None) -> dict:
+def timings(stats, profile: str | None, note: str = "") -> dict:
     if stats is None:
         return {}
-    return {"prompt_n": stats.prompt_tokens, "prompt_cached": stats.prompt_tokens - stats.prefill_tokens,
+    return {**({"note": note} if note else {}), "prompt_n": stats.prompt_tokens, "prompt_cached": stats.prompt_tokens - stats.prefill_tokens,
             "prefill_tokens": stats.prefill_tokens, "prefill_per_second": round(stats.prefill_tps, 2),
             "predicted_n": stats.generated_tokens, "decode_per_second": round(stats.decode_tps, 2),
             "tokens_per_pass": round(stats.tokens_per_pass, 3), "acceptance": round(stats.acceptance, 3),
@@ -42,7 +40,9 @@ def usage(stats) -> dict:
             "prompt_tokens_details": {"cached_tokens": (stats.prompt_tokens - stats.prefill_tokens) if stats else 0}}
 
 
-def make_app(runner: Runner, api_key: str | None = None) -> FastAPI:
+def make_app(runner: Runner, api_key: str | None = None, host: str = "127.0.0.1", allow_hosts=(),
+             allow_origins=()) -> Guard:
+    """The API behind its checks (guard.py): `host` is the address listened on."""
     app = FastAPI(title="localchat", docs_url=None, redoc_url=None, openapi_url=None)
     models = runner.models
     model_id = models.default.name
@@ -50,21 +50,6 @@ def make_app(runner: Runner, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         return _error(exc)
-
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        t0 = time.monotonic()
-        if api_key and request.url.path != "/health":
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.removeprefix("Bearer ").strip().encode(), api_key.encode()):
-                _log(401, request.url.path, t0)
-                return _error(ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
-                                       kind="authentication_error", code="invalid_api_key"))
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
-            _log(413, request.url.path, t0)
-            return _error(ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB"))
-        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -147,9 +132,7 @@ def make_app(runner: Runner, api_key: str | None = None) -> FastAPI:
         refusal."""
         t0 = time.monotonic()
         try:
-            raw = await request.body()
-            if len(raw) > MAX_BODY:
-                raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB")
+            raw = await request.body()          # its size and type checked before (guard.py)
             try:
                 body = json.loads(raw)
             except ValueError as exc:
@@ -183,7 +166,7 @@ def make_app(runner: Runner, api_key: str | None = None) -> FastAPI:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _whole(job, cid, created, slot.name, profile, request, t0, text)
 
-    return app
+    return Guard(app, host, allow_hosts, allow_origins, api_key)
 
 
 async def _whole(job, cid, created, model, profile, request, t0, text: bool = False):
@@ -211,7 +194,8 @@ async def _whole(job, cid, created, model, profile, request, t0, text: bool = Fa
         _log(499, request.url.path, t0, value and value["stats"], "the client left; the answer was stopped")
         return JSONResponse({}, status_code=499)
     stats = value["stats"]
-    _log(200, request.url.path, t0, stats, call_error and f"not a tool call: {call_error}")
+    _log(200, request.url.path, t0, stats, "; ".join(filter(None, [value["note"],
+                                                                   call_error and f"not a tool call: {call_error}"])))
     message = {"role": "assistant", "content": "".join(parts)}
     if calls:            # as OpenAI answers a call: content null unless the model wrote text first
         message["content"] = message["content"] or None
@@ -224,7 +208,7 @@ async def _whole(job, cid, created, model, profile, request, t0, text: bool = Fa
     return {"id": cid, "object": "text_completion" if text else "chat.completion", "created": created,
             "model": model, "choices": [{"index": 0, **choice, "finish_reason": value["finish_reason"],
                                          "logprobs": None}],
-            "usage": usage(stats), "timings": timings(stats, profile)}
+            "usage": usage(stats), "timings": timings(stats, profile, value["note"])}
 
 
 def _sse(obj) -> bytes:
@@ -261,12 +245,12 @@ async def _stream(job, first, cid, created, model, profile, request, t0, text: b
             else:
                 stats = value["stats"] if value else None
                 if value is not None:
-                    yield chunk({}, value["finish_reason"], timings=timings(stats, profile))
+                    yield chunk({}, value["finish_reason"], timings=timings(stats, profile, value["note"]))
                     if job.request.include_usage:
                         yield _sse({"id": cid, "object": kind_of, "created": created,
                                     "model": model, "choices": [], "usage": usage(stats)})
-                _log(200, request.url.path, t0, stats, "streamed" + (f"; not a tool call: {call_error}"
-                                                                      if call_error else ""))
+                _log(200, request.url.path, t0, stats, "; ".join(filter(None, [
+                    "streamed", value and value["note"], call_error and f"not a tool call: {call_error}"])))
                 break
         yield b"data: [DONE]\n\n"
         done = True

@@ -191,7 +191,7 @@ async def answer(job, request, t0, generate: bool):
                 return
             elif kind == "done":
                 if value is not None and not value.get("cancelled"):
-                    log(200, request.url.path, t0, value["stats"], "ollama")
+                    log(200, request.url.path, t0, value["stats"], "; ".join(filter(None, ["ollama", value["note"]])))
                     yield {**piece(), **final(model, value["stats"], value["finish_reason"], t0)}
                 return
 

@@ -256,7 +256,7 @@ async def answer(job, body: dict, request, t0):
                     return
                 stats = value["stats"]
                 yield build.finish(value["finish_reason"], usage(stats, value.get("reasoning_tokens", 0)))
-                log(200, request.url.path, t0, stats, "responses")
+                log(200, request.url.path, t0, stats, "; ".join(filter(None, ["responses", value["note"]])))
                 return
 
     if not job.request.stream:

@@ -148,7 +148,11 @@ class Runner:
                 return
         r, chat = job.request, slot.chat
         t0 = time.monotonic()
-        sampling = dict(max_new_tokens=r.max_tokens or self.default_max_tokens,
+        asked = r.max_tokens or self.default_max_tokens
+        room = getattr(getattr(slot.engine, "target", None), "max_positions", None) or asked
+        note = (f"max_tokens {asked} is over the context ({room} tokens): held to it; the answer ends with "
+                "finish_reason length where the context is full") if asked > room else ""
+        sampling = dict(max_new_tokens=min(asked, room),
                         seed=None if r.seed is None else r.seed % (1 << 63),
                         **resolve_sampling(self.models.settings, slot.engine,
                                            {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k}))
@@ -202,5 +206,5 @@ class Runner:
             slot.last_used = time.monotonic()
         done = chat.last_done
         job.push(("done", {"finish_reason": reason or "stop", "stats": chat.last_stats,
-                           "cancelled": job.cancelled.is_set(),
+                           "cancelled": job.cancelled.is_set(), "note": note,
                            "reasoning_tokens": getattr(done, "reasoning_tokens", 0) if done else 0}))
