@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch is pinned in the install step only (a local CPU wheel); pyproject keeps its range open.
 TORCH ?= torch==2.13.0
 
-.PHONY: chat test test-busy setup bench clean
+.PHONY: chat test test-busy test-kinds setup bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,11 +26,19 @@ chat: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# The suite beside a process that keeps a core busy: no test may depend on a quiet machine.
-# The busy loop is stopped by its pid however pytest or make ends; the exit status is pytest's.
+# The suite beside a process that keeps a core busy, its modules and their tests in a random
+# order (the seed is printed; --random-order-seed=N repeats it): no test may depend on a quiet
+# machine or on another test having run. The busy loop is stopped by its pid however pytest
+# or make ends; the exit status is pytest's.
 test-busy: $(STAMP)
 	@$(BIN)/python -c "while True: pass" & busy=$$!; trap 'kill $$busy' EXIT; trap 'exit 143' INT TERM; \
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --random-order-bucket=module $(PYTEST_ARGS)
+
+# The code paths of the other CPU kinds, on this one: every kernel in its AVX2 build, and the
+# paths of a CPU without bf16 instructions (an Ice Lake Xeon) on one that has them.
+test-kinds: $(STAMP)
+	LOCALCHAT_ISA=avx2 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	LOCALCHAT_HIDE_CPU_FLAGS=avx512_bf16,amx_bf16 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Benchmarks take minutes and want an idle machine; they write benchmarks/results/*.json.
 bench: $(STAMP)

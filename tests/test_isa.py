@@ -114,3 +114,18 @@ def test_a_build_with_or_without_the_prefetch_gives_the_same_bits():
         outs.append(y)
     assert torch.equal(outs[0], outs[1])
     assert torch.allclose(outs[0].float(), (x.float() @ w.float().t()), rtol=0.02, atol=0.5)
+
+
+def test_hidden_cpu_flags_take_the_paths_of_a_cpu_without_them():
+    # LOCALCHAT_HIDE_CPU_FLAGS: an AVX-512 bf16 or AMX machine runs what a CPU without bf16
+    # instructions runs (an Ice Lake Xeon): bf16 kernels in their AVX2 build, bf16 prefill
+    # products widened to float32, float32 the default compute dtype of bf16 checkpoints where
+    # no bf16 kernel runs
+    env = {**os.environ, "LOCALCHAT_HIDE_CPU_FLAGS": "avx512_bf16, AMX_BF16"}
+    code = ("import torch; from engine import hardware, kernels; from engine.kernels import gemm; "
+            "print(sorted(hardware.cpu_flags() & {'avx512_bf16', 'amx_bf16'}), hardware.fast_bf16(torch.device('cpu')), "
+            "kernels.instruction_sets().get('bfloat16'), gemm.native_bf16())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    bf16_kernel = "avx2" if {"avx2", "fma", "f16c"} <= hardware.cpu_flags() else "None"
+    assert out.stdout.split() == ["[]", "False", bf16_kernel, str(bf16_kernel != "avx2")], out.stdout
