@@ -53,7 +53,8 @@ def test_the_avx2_build_passes_the_kernel_tests():
     check = subprocess.run([sys.executable, "-c", "from engine import kernels; print(kernels.instruction_sets())"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert check.stdout.strip() == "{'bfloat16': 'avx2', 'float32': 'avx2'}", check.stderr
-    tests = ["tests/test_kernels.py", "tests/test_layer_kernel.py", "tests/test_moe.py", "tests/test_gemm.py", "-k", "kernel"]
+    tests = ["tests/test_kernels.py", "tests/test_layer_kernel.py", "tests/test_moe.py", "tests/test_gemm.py",
+             "tests/test_gguf_kernel.py", "-k", "kernel"]
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr

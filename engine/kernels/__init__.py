@@ -7,13 +7,14 @@ from __future__ import annotations
 def status() -> dict[str, str]:
     """Every kernel library this CPU can run, built now if it was not yet: its name -> ''
     when it runs here, else why not (the engine keeps torch's kernels for it then)."""
-    from . import gdn_kernel, gemm, layer_kernel, q4_kernel, q8_kernel, row_kernel
+    from . import gdn_kernel, gemm, gguf_kernel, layer_kernel, q4_kernel, q8_kernel, row_kernel
     out = {f"rows {str(d).removeprefix('torch.')}": row_kernel.why_not(d) for d in row_kernel.FUNCTIONS}
     out |= {f"layers {str(d).removeprefix('torch.')}": layer_kernel.why_not(d) for d in layer_kernel.SUFFIX}
     out["int8"] = q8_kernel.why_not()
     out["int4"] = q4_kernel.why_not()
     out["gated delta-net"] = gdn_kernel.why_not()
     out["prefill float32"] = gemm.why_not()
+    out["GGUF blocks"] = gguf_kernel.why_not()
     return out
 
 

@@ -1,0 +1,63 @@
+"""The GGUF block kernels (engine/kernels/gguf.c): every format's blocks decode to exactly
+the weights gguf-py reads from the same bytes; products equal those weights times the input
+within float32 summation's bound; and every row of a pass is a lone row, bit for bit, at
+any width a verify pass has and on 1 or 2 threads. Random valid blocks: random codes and
+scale bytes, finite half-float scales."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from engine.kernels import gguf_kernel
+
+pytestmark = pytest.mark.skipif(not gguf_kernel.available(), reason=f"no GGUF kernel here: {gguf_kernel.why_not()}")
+FORMATS = list(gguf_kernel.TYPES)
+
+
+def _file_weights(w: torch.Tensor, name: str, K: int) -> torch.Tensor:
+    """gguf-py's reading of the bytes: the reference weights."""
+    got = quants.dequantize(w.numpy(), GGMLQuantizationType[name])
+    return torch.from_numpy(np.ascontiguousarray(got)).view(w.shape[0], K)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_blocks_decode_to_the_files_own_weights(name):
+    g = torch.Generator().manual_seed(gguf_kernel.TYPES[name])
+    bs, _ = gguf_kernel.block(name)
+    for N, K in ((1, bs), (5, 3 * bs), (33, 4 * 256)):
+        w = gguf_kernel.random_blocks(name, N, K, g)
+        assert torch.equal(gguf_kernel.dequantize(w, name, K), _file_weights(w, name, K)), (N, K)
+    out = torch.full((5, 2 * bs + 3), -1.0)                # into a strided view: only its columns
+    gguf_kernel.dequantize(gguf_kernel.random_blocks(name, 5, 2 * bs, g), name, 2 * bs, out[:, :2 * bs])
+    assert (out[:, 2 * bs:] == -1).all()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_products_are_the_weights_times_x_and_every_row_a_lone_row(name, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(100 + gguf_kernel.TYPES[name])
+        N, K = 37, 3 * 256
+        w = gguf_kernel.random_blocks(name, N, K, g)
+        ref = _file_weights(w, name, K).double()
+        x = torch.randn(65, K, generator=g)
+        lone = torch.cat([gguf_kernel.linear(x[m:m + 1], w, name, K) for m in range(65)])
+        want = x.double() @ ref.t()
+        bound = K * 2.0 ** -24 * (x.double().abs() @ ref.abs().t())      # float32 sums of K products
+        assert ((lone.double() - want).abs() <= bound).all()
+        for M in (2, 3, 5, 9, 17, 33, 65):                             # verify widths: each row a lone row
+            assert torch.equal(gguf_kernel.linear(x[:M], w, name, K), lone[:M]), M
+        assert torch.equal(gguf_kernel.linear(x[:4].bfloat16(), w, name, K),
+                           gguf_kernel.linear(x[:4].bfloat16().float(), w, name, K))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_row_of_part_of_a_block_is_refused():
+    w = gguf_kernel.random_blocks("Q4_K", 2, 256, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="256-weight blocks"):
+        gguf_kernel.linear(torch.randn(1, 200), w[:, :100], "Q4_K", 200)
+    with pytest.raises(ValueError, match="do not fit"):
+        gguf_kernel.linear(torch.randn(1, 512), w, "Q4_K", 512)
