@@ -159,7 +159,8 @@ def install(model: nn.Module, cache, states) -> list[LayerReplay]:
         mod.forward = forward
         replays.append(rep)
     for m in model.modules():
-        if hasattr(m, "num_key_value_groups") and hasattr(m, "o_proj"):
+        # an attention module (its output projection is o_proj, or LFM2's out_proj)
+        if hasattr(m, "num_key_value_groups") and (hasattr(m, "o_proj") or hasattr(m, "out_proj")):
             m._localchat_cache = cache        # rowwise_sdpa reads the verify flag through it
     return replays
 
