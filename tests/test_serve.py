@@ -178,9 +178,12 @@ def test_an_api_key_is_required_when_set(model):
         s.stop()
 
 
-def test_one_line_per_request_on_stderr(server):
+def test_one_line_per_request_on_stderr(server, client):
+    client.chat.completions.create(model="served", messages=MSGS, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nobody", messages=MSGS, max_tokens=2)
+    wait_until(lambda: any(" 404 " in x for x in server.lines), 30)
     assert any(re.search(r"200 /v1/chat/completions .* tokens .* decode [\d.]+ tok/s", x) for x in server.lines)
-    assert any(" 404 " in x for x in server.lines)
 
 
 def test_a_request_that_waits_too_long_is_refused(model):

@@ -13,6 +13,7 @@ import pytest
 
 from serving import Server
 from tiny import build_model
+from waiting import wait_until
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cat sat"}], "max_tokens": 2}
 KEY = "sesame"
@@ -79,7 +80,7 @@ def test_a_foreign_host_is_refused(server, host):
         status, got, _ = call(server, method, path, body, {"Host": host.format(port=server.port)})
         assert status == 403, (path, host)
         assert "--allow-host" in message(got) and "\n" not in message(got)
-    assert any(" 403 /v1/chat/completions " in line for line in server.lines)
+    wait_until(lambda: any(" 403 /v1/chat/completions " in line for line in server.lines), 30)
 
 
 @pytest.mark.parametrize("host", ["localhost", "localhost:{port}", "127.0.0.1", "127.0.0.1:{port}", "[::1]:{port}",
@@ -217,6 +218,7 @@ def test_the_key_is_required_on_every_endpoint_but_health(opened, method, path, 
 def test_health_needs_no_key_and_the_key_is_never_logged(opened):
     assert call(opened, "GET", "/health")[0] == 200
     call(opened, "GET", "/v1/models", headers={"Authorization": "Bearer not-the-key"})
+    wait_until(lambda: any(" 401 /v1/models " in line for line in opened.lines), 30)
     assert not any(KEY in line or "not-the-key" in line for line in opened.lines)
 
 
@@ -239,4 +241,4 @@ def test_max_tokens_over_the_context_is_held_to_it_and_said(server):
     assert status == 200 and got["choices"][0]["finish_reason"] == "length"
     # the context holds the prompt and every answer token but the last (never fed back)
     assert got["usage"]["total_tokens"] <= 96 + 1 and "over the context" in got["timings"]["note"]
-    assert any("max_tokens 1000000 is over the context" in line for line in server.lines)
+    wait_until(lambda: any("max_tokens 1000000 is over the context" in line for line in server.lines), 30)
