@@ -14,12 +14,17 @@ a Llama-family forward's passes of few rows as one compiled function of static s
   as transformers' StaticCache marks its own): no second copy, no child process. A cache that
   grows (a reallocation) is compiled for once more.
 
-Exact by construction: a one-token step and a verify pass are the same compiled function on
-the same shapes, so row r of a verify pass runs the very kernels of a one-token step's first
-row, on the same inputs (each row's norms, products and attention over its own prefix read
-nothing from the other rows), and greedy speculation stays plain greedy token for token.
-tests/test_graph_step.py checks it bit for bit on the CPU, where torch.compile runs the same
-graph without CUDA graphs.
+Exact where checked: a one-token step and a verify pass are the same compiled function on
+the same shapes, and each row's norms, products and attention over its own prefix read
+nothing from the other rows. But a compiled GEMM may still round a row by its place in the
+pass (a tail block of rows taking another micro-kernel: on an AVX2-only EPYC, row 8 of 9
+did), so row r of a verify pass is a one-token step's row 0 only where the kernels treat
+every row alike. Every shape is static, so which kernel and order a row gets is fixed by the
+shapes, not the data: before the graph serves a pass at a cache size, it runs once as a
+verify pass of `width` distinct tokens and once as each of its rows alone, past the committed
+length, and serves only if every row is a step's bits; else the eager forward runs (exact by
+localchat's row kernels) and `graph_note` says why. tests/test_graph_step.py checks it on the
+CPU, where torch.compile runs the same graph without CUDA graphs.
 
 It runs on CUDA for resident forwards whose weights are plain tensors (the int8/int4 weights
 bring their own kernels); `LOCALCHAT_GRAPH_STEP=on` forces it on the CPU (the tests),
@@ -78,15 +83,21 @@ class GraphStep:
         for n in {fwd.layers[0].ln1.shape[0], fwd.head_dim}:
             fwd._scalars(n, fwd.cache.device)          # made now, not while a graph is traced
         self._compiled = torch.compile(self._pass, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        self.refused = ""                              # why the graph does not serve (the module doc)
+        self._rows_are_steps(cache.length)             # compiled and checked now, at load
 
-    def __call__(self, ids: list[int], pos: int, rows: int) -> torch.Tensor:
+    def __call__(self, ids: list[int], pos: int, rows: int) -> torch.Tensor | None:
         """float32 logits [rows, vocab] of the last `rows` of the len(ids) tokens at pos.. (the
-        caller reserved their room in the cache)."""
+        caller reserved their room in the cache); None where the graph does not give every
+        row a one-token step's bits here (`refused` says why: the caller runs the eager pass)."""
         f, W = self.fwd, self.width
         cache = f.cache
+        if self.refused:
+            return None
         cache.grow_to(pos + W)                         # the padding's room too (the caller checked the context)
         f._rope_table(pos + W)
-        self._mark(cache)
+        if self._mark(cache) and not self._rows_are_steps(pos):
+            return None
         T = len(ids)
         dev = cache.device
         ids_t = torch.tensor(list(ids) + [ids[-1]] * (W - T), dtype=torch.long, device=dev)
@@ -94,15 +105,44 @@ class GraphStep:
         logits = self._compiled(ids_t, positions)
         return logits[T - rows:T].clone()              # out of the graph's own output buffer
 
-    def _mark(self, cache) -> None:
+    def _mark(self, cache) -> bool:
         """The cache's and the rotary tables' tensors as static addresses, again after any of
-        them was reallocated (the compiled function then guards on the new ones)."""
+        them was reallocated (the compiled function then guards on the new ones); whether
+        they were new."""
         f = self.fwd
         now = (id(cache), cache.k[0].data_ptr(), f._cos.data_ptr())
-        if now != self._marked:
-            for t in cache.k + cache.v + [f._cos, f._sin]:
-                torch._dynamo.mark_static_address(t)
-            self._marked = now
+        if now == self._marked:
+            return False
+        for t in cache.k + cache.v + [f._cos, f._sin]:
+            torch._dynamo.mark_static_address(t)
+        self._marked = now
+        return True
+
+    def _rows_are_steps(self, pos: int) -> bool:
+        """Run the graph as a verify pass of `width` distinct tokens at `pos` and as each of
+        its rows alone (a padded one-token step), past the committed length (nothing is
+        committed); whether every row matched. Where one did not, the graph stops serving."""
+        f, W = self.fwd, self.width
+        cache = f.cache
+        room = cache.max_positions + cache.slack
+        if pos + 2 * W - 1 > room:
+            self.refused = "the cache grew too near the end of the context to check the graph's rows there"
+        else:
+            cache.grow_to(pos + 2 * W - 1)
+            f._rope_table(pos + 2 * W - 1)
+            self._mark(cache)
+            vocab = f.embed.shape[0]
+            ids = torch.tensor([(7 + 31 * r) % vocab for r in range(W)], dtype=torch.long, device=cache.device)
+            verify = self._compiled(ids, self._offsets + pos).clone()
+            for r in range(W):
+                step = self._compiled(ids[r].repeat(W), self._offsets + pos + r)
+                if not torch.equal(step[0], verify[r]):
+                    self.refused = (f"its compiled products give row {r} of a {W}-row pass other bits than a "
+                                    "one-token step on this machine")
+                    break
+        if self.refused:
+            f.graph_note = f"the eager forward: {self.refused}"
+        return not self.refused
 
     def _pass(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         f = self.fwd

@@ -134,7 +134,8 @@ class LlamaFamilyForward(rows.KernelPasses):
             return
         self.graph_note = graph_step.why_not(self)
         if not self.graph_note:
-            self._graph = graph_step.GraphStep(self, width)
+            graph = graph_step.GraphStep(self, width)
+            self._graph = None if graph.refused else graph
 
     def _setup(self, cfg, cache: KVCache, rotary, scaling: float) -> None:
         """The shape constants and tables every variant of this forward needs (targets that
@@ -271,7 +272,10 @@ class LlamaFamilyForward(rows.KernelPasses):
         self._begin_pass(T, all_logits)
         graph = self._graph
         if graph is not None and T <= graph.width and (T == 1 or all_logits) and not torch.compiler.is_compiling():
-            return graph(ids.view(T).tolist() if isinstance(ids, torch.Tensor) else ids, pos, T if all_logits else 1)
+            out = graph(ids.view(T).tolist() if isinstance(ids, torch.Tensor) else ids, pos, T if all_logits else 1)
+            if out is not None:
+                return out
+            self._graph = None                 # its rows are not steps here (graph_note says why)
         stack = self._stack
         if stack is not None and stack.has_head and self._row_kernel(T) and not torch.compiler.is_compiling():
             # The whole pass in one call of C, ids to logits: after the layers have streamed
