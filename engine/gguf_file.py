@@ -1,0 +1,138 @@
+"""A GGUF file read where it lies: its tensors as views of the file's memory map, the
+quantized ones in their block formats, multiplied by the GGUF kernels
+(engine/kernels/gguf_kernel.py) without a float copy.
+
+A 2-D tensor of a block format is a uint8 view [rows, row_bytes] (gguf-py's reader gives
+exactly that); F32 tensors are float32 views, F16 and BF16 are widened once. Where
+llama.cpp's converter reordered a matrix's rows (the Llama family's q and k projections,
+their rotary halves interleaved), `hf_rows` gives the checkpoint's order back: rows of blocks
+move whole, so a quantized matrix is reordered without decoding it.
+
+GGUFWeight is a weight the model code multiplies through `.mm`, as it does the int8 and int4
+weights (models/llama_family._linear): one-token steps and verify passes through the block
+kernels (every row a lone row), a prefill through the weight decoded block by block into a
+reused float32 buffer and the GEMM."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from .kernels import gemm, gguf_kernel
+
+# A prefill of more rows than this decodes the weight and runs the GEMM: the block kernels
+# are matrix-vector kernels, one pass over the weight per row of x (four rows a pass).
+PREFILL_KERNEL_ROWS = 8
+_buf = threading.local()                # the decoded weight of a prefill's product, one per thread
+
+
+class Tensor:
+    """One tensor of the file: its GGUF type name, its shape as torch orders it ([rows, K]
+    for a matrix), and the data (a view of the memory map)."""
+
+    def __init__(self, name: str, kind: str, shape: tuple[int, ...], data: torch.Tensor):
+        self.name, self.kind, self.shape, self.data = name, kind, shape, data
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def dense(self) -> torch.Tensor:
+        """The float32 values (decoded where quantized)."""
+        if self.kind in gguf_kernel.TYPES:
+            return gguf_kernel.dequantize(self.data, self.kind, self.shape[-1]).view(self.shape)
+        return self.data.float().view(self.shape)
+
+
+def read(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
+    """(metadata fields by key, tensors by name) of a GGUF file, memory-mapped."""
+    import warnings
+
+    import numpy as np
+    from gguf import GGUFReader
+    reader = GGUFReader(str(path))
+    tensors = {}
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))           # ggml lists the fastest dimension first
+        kind = t.tensor_type.name
+        with warnings.catch_warnings():      # the map is read-only, and nothing here writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.asarray(t.data))
+        if kind in ("F16", "BF16"):
+            data = (data.view(torch.float16) if kind == "F16" else data.view(torch.bfloat16)).float()
+            kind = "F32"
+        tensors[t.name] = Tensor(t.name, kind, shape, data)
+    return reader.fields, tensors
+
+
+def hf_rows(rows: int, heads: int) -> torch.Tensor:
+    """The index that puts a q or k projection's rows back in the checkpoint's order: the
+    converter stored each head's two rotary halves interleaved (convert_hf_to_gguf's
+    LlamaModel.permute), row (h, j, s) for the checkpoint's (h, s, j)."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+class GGUFWeight:
+    """x @ w.T for a weight [N, K] stored as row blocks of one or more formats, stacked by
+    rows (a fused q/k/v may mix them: Q4_K_M keeps some v projections in Q6_K). Products are
+    float32 whatever x's dtype (its values widen exactly)."""
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], K: int):
+        for kind, data in parts:
+            if kind not in gguf_kernel.TYPES:
+                raise ValueError(f"no kernel for GGUF type {kind}")
+            if data.shape[1] != gguf_kernel.row_bytes(kind, K):
+                raise ValueError(f"a {kind} part of {data.shape[1]} bytes a row does not hold {K} weights")
+        self.parts = [(kind, data.contiguous()) for kind, data in parts]
+        self.shape = (sum(d.shape[0] for _, d in self.parts), K)
+
+    @classmethod
+    def of(cls, *tensors: Tensor, rows: list[torch.Tensor | None] | None = None) -> "GGUFWeight":
+        """The weight of these matrices stacked by rows (each reordered by its `rows` index)."""
+        rows = rows or [None] * len(tensors)
+        return cls([(t.kind, t.data if r is None else t.data[r]) for t, r in zip(tensors, rows)], tensors[0].shape[1])
+
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, lone_rows: bool = True) -> torch.Tensor:
+        K = self.shape[1]
+        if lone_rows or x.shape[0] <= PREFILL_KERNEL_ROWS:
+            y = torch.cat([gguf_kernel.linear(x, data, kind, K) for kind, data in self.parts], 1)
+            return y if bias is None else y.add_(bias)
+        w = self._decoded()
+        return gemm.mm(x.float(), w.t(), None if bias is None else bias.float())
+
+    def _decoded(self) -> torch.Tensor:
+        """The whole weight in float32, in this thread's reused buffer (valid until the next call)."""
+        N, K = self.shape
+        buf = getattr(_buf, "t", None)
+        if buf is None or buf.numel() < N * K:
+            with torch.inference_mode(False):          # a normal tensor, filled in or out of inference mode
+                buf = _buf.t = torch.empty(N * K, dtype=torch.float32)
+        out, at = buf[:N * K].view(N, K), 0
+        for kind, data in self.parts:
+            gguf_kernel.dequantize(data, kind, K, out[at:at + data.shape[0]])
+            at += data.shape[0]
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` decoded (an embedding lookup), float32 [len(ids), K]."""
+        at = 0
+        ids = ids.view(-1)
+        picked = torch.empty(ids.numel(), self.shape[1], dtype=torch.float32)
+        for kind, data in self.parts:
+            mine = (ids >= at) & (ids < at + data.shape[0])
+            if mine.any():
+                picked[mine] = gguf_kernel.dequantize(data[ids[mine] - at], kind, self.shape[1])
+            at += data.shape[0]
+        return picked
+
+    def dense(self) -> torch.Tensor:
+        return self._decoded().clone()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [data for _, data in self.parts]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() for _, d in self.parts)
