@@ -1,0 +1,78 @@
+"""A target whose weights are a GGUF file's own blocks, read where they lie
+(engine/gguf_file.py): the Llama-family forward over GGUFWeight matrices, activations in
+float32. No float copy of the weights is made: the matrices are views of the file's memory
+map but for the q and k projections, whose rows of blocks are put back in the checkpoint's
+order (the same bytes, moved).
+
+Steps and verify passes multiply through the block kernels (every row a lone row, so
+speculation is exact by construction); a prefill decodes each weight into a reused buffer
+for the GEMM. Not yet wired to engine.open(): `load_gguf` takes the file and the config of
+its import (engine/checkpoint.import_gguf), for the llama architecture."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from ..errors import UnsupportedModel
+from ..gguf_file import GGUFWeight, hf_rows, read
+from ..kernels import gguf_kernel
+from ..models import llama_family
+from .quantized import QuantizedForward, _skeleton
+from .resident import ResidentTarget
+
+ARCHITECTURES = ("llama",)
+
+
+class GGUFTarget(ResidentTarget):
+    """ResidentTarget's interface over a QuantizedForward whose matrices are GGUFWeight."""
+
+    def __init__(self, gguf: Path, config_dir: Path, cache_capacity: int = 1024):
+        fields, tensors = read(gguf)
+        arch = bytes(fields["general.architecture"].parts[-1]).decode()
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModel(f"{gguf}: the {arch} architecture does not run from its blocks yet")
+        why = gguf_kernel.why_not()
+        if why:
+            raise UnsupportedModel(f"{gguf}: no GGUF kernel here ({why})")
+        cfg, skeleton, _ = _skeleton(Path(config_dir))
+        device = torch.device("cpu")
+        self._setup(cfg, device, torch.float32, cache_capacity)
+        H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+
+        def matrix(*names: str) -> GGUFWeight:
+            parts = [tensors[n] for n in names]
+            unsupported = [f"{t.name} ({t.kind})" for t in parts if t.kind not in gguf_kernel.TYPES]
+            if unsupported:
+                raise UnsupportedModel(f"{gguf}: no kernel for {', '.join(unsupported)} yet")
+            order = [hf_rows(t.shape[0], H if ".attn_q." in t.name else KV)
+                     if ".attn_q." in t.name or ".attn_k." in t.name else None for t in parts]
+            return GGUFWeight.of(*parts, rows=order)
+
+        def vector(name: str) -> torch.Tensor:
+            return tensors[name].dense().contiguous()
+
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            b = f"blk.{i}."
+            layers.append(llama_family.LayerWeights(
+                ln1=vector(b + "attn_norm.weight"), ln2=vector(b + "ffn_norm.weight"),
+                qkv=matrix(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"), qkv_bias=None,
+                o=matrix(b + "attn_output.weight"), o_bias=None,
+                gate_up=matrix(b + "ffn_gate.weight", b + "ffn_up.weight"), down=matrix(b + "ffn_down.weight")))
+        embed = matrix("token_embd.weight")
+        head = matrix("output.weight") if "output.weight" in tensors else embed      # tied
+        rotary = type(skeleton.model.rotary_emb)(config=cfg).to(device)
+        scaling = skeleton.model.layers[0].self_attn.scaling
+        self.impl = QuantizedForward(cfg, self.cache, rotary, scaling, embed, vector("output_norm.weight"), head,
+                                     layers)
+        self.kind = "gguf"
+        self.fallback_reason = None
+        self.formats = Counter(t.kind for t in tensors.values() if len(t.shape) == 2)
+        self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
+
+
+def load_gguf(gguf: Path, config_dir: Path, cache_capacity: int = 1024) -> GGUFTarget:
+    return GGUFTarget(Path(gguf), Path(config_dir), cache_capacity)
+

@@ -1,0 +1,67 @@
+"""The demo model run from its GGUF file's own blocks (engine/targets/gguf_target.py): no
+float copy of the weights, logits within float32 rounding of transformers' float32 import
+of the same file, and speculation exact by construction (every row a lone row)."""
+import pytest
+import torch
+
+import engine
+from engine import checkpoint
+from engine.kernels import gguf_kernel
+from engine.targets.gguf_target import load_gguf
+from engine.targets.resident import load_resident
+
+pytestmark = [pytest.mark.demo,
+              pytest.mark.skipif(not gguf_kernel.available(), reason=f"no GGUF kernel here: {gguf_kernel.why_not()}")]
+
+
+@pytest.fixture(scope="module")
+def targets():
+    imported = checkpoint.resolve(None).path
+    return load_gguf(checkpoint.demo_gguf_path(), imported), load_resident(imported, torch.device("cpu"), torch.float32)
+
+
+def test_the_weights_are_the_files_blocks_not_a_float_copy(targets):
+    packed, exact = targets
+    size = checkpoint.demo_gguf_path().stat().st_size
+    assert packed.weight_bytes() <= size < exact.weight_bytes() / 3
+    assert packed.formats == {"Q4_1": 210, "Q8_0": 1} and packed.kind == "gguf"
+
+
+def test_logits_are_the_imported_models_within_float32_rounding(targets):
+    packed, exact = targets
+    ids = list(range(20, 60))
+    with torch.inference_mode():
+        for t in targets:
+            t.cache.rollback(0)
+        got = [packed.forward(ids, all_logits=True)] + [packed.forward([i]) for i in (5, 7, 11)]
+        want = [exact.forward(ids, all_logits=True)] + [exact.forward([i]) for i in (5, 7, 11)]
+        for t in targets:
+            t.cache.rollback(0)
+    for g, w in zip(got, want):
+        # the same float32 weights summed in another order: a mapping error would be O(1)
+        assert (g - w).abs().max() <= 1e-3 * w.abs().max()
+
+
+def test_verify_rows_are_one_token_steps(targets):
+    packed, _ = targets
+    ids = list(range(30, 70))
+    with torch.inference_mode():
+        packed.cache.rollback(0)
+        packed.forward(ids[:30])
+        verify = packed.forward(ids[30:39], all_logits=True)
+        packed.cache.rollback(30)
+        steps = torch.cat([packed.forward([i]) for i in ids[30:39]])
+        packed.cache.rollback(0)
+    assert torch.equal(verify, steps)
+
+
+def test_speculation_on_it_is_plain_greedy(targets):
+    packed, _ = targets
+    ckpt = checkpoint.resolve(None)
+    eng = engine.Engine(ckpt, engine.engine._load_tokenizer(ckpt.path), packed, drafter=engine.NoDrafter())
+    prompt = "List the numbers from one to twenty, separated by commas."
+    plain = list(eng.chat().send(prompt, max_new_tokens=40))[-1]
+    eng.drafter, eng.draft_tokens = engine.NgramDrafter(), 4
+    chat = eng.chat()
+    spec = list(chat.send(prompt, max_new_tokens=40))[-1]
+    assert list(spec.token_ids) == list(plain.token_ids) and chat.last_stats.drafted_tokens > 0
