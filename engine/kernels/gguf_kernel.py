@@ -69,7 +69,8 @@ def _load() -> str:
 
 
 def block(name: str) -> tuple[int, int]:
-    """(weights, bytes) a block of the format holds."""
+    """(weights, bytes) a block of the format holds (where the kernels run here)."""
+    why_not()
     lib = _lib[0]
     return lib.gguf_block_size(TYPES[name]), lib.gguf_block_bytes(TYPES[name])
 
