@@ -6,8 +6,11 @@ order (the same bytes, moved).
 
 Steps and verify passes multiply through the block kernels (every row a lone row, so
 speculation is exact by construction); a prefill decodes each weight into a reused buffer
-for the GEMM. Not yet wired to engine.open(): `load_gguf` takes the file and the config of
-its import (engine/checkpoint.import_gguf), for the llama architecture."""
+for the GEMM. A file of float matrices (F32, F16) holds them as plain tensors, which the C
+layer kernels run. Not yet wired to engine.open(): `load_gguf` takes the file and the
+config of its import (engine/checkpoint.import_gguf). Tested on the llama architecture;
+qwen2 and qwen3 are mapped (biases, q/k norms) but wait for a config read from the file's
+own metadata (transformers' GGUF config loses a head size other than 128)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -22,7 +25,9 @@ from ..models import llama_family
 from .quantized import QuantizedForward, _skeleton
 from .resident import ResidentTarget
 
-ARCHITECTURES = ("llama",)
+# The architectures the Llama-family forward runs, and whether the converter interleaved the
+# rotary halves of their q and k rows (convert_hf_to_gguf does it for llama alone).
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
 
 class GGUFTarget(ResidentTarget):
@@ -41,28 +46,43 @@ class GGUFTarget(ResidentTarget):
         self._setup(cfg, device, torch.float32, cache_capacity)
         H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
 
-        def matrix(*names: str) -> GGUFWeight:
+        interleaved = ARCHITECTURES[arch]
+
+        def matrix(*names: str):
+            """The matrices stacked by rows: a GGUFWeight of their blocks, or where all are
+            float (an F32/F16 file) a plain transposed tensor, as the forward holds its own."""
             parts = [tensors[n] for n in names]
+            order = [hf_rows(t.shape[0], H if ".attn_q." in t.name else KV)
+                     if interleaved and (".attn_q." in t.name or ".attn_k." in t.name) else None for t in parts]
+            if all(t.kind == "F32" for t in parts):
+                dense = [t.dense() if r is None else t.dense()[r] for t, r in zip(parts, order)]
+                return llama_family.aligned(torch.cat(dense) if len(dense) > 1 else dense[0].clone()).t()
             unsupported = [f"{t.name} ({t.kind})" for t in parts if t.kind not in gguf_kernel.TYPES]
             if unsupported:
                 raise UnsupportedModel(f"{gguf}: no kernel for {', '.join(unsupported)} yet")
-            order = [hf_rows(t.shape[0], H if ".attn_q." in t.name else KV)
-                     if ".attn_q." in t.name or ".attn_k." in t.name else None for t in parts]
             return GGUFWeight.of(*parts, rows=order)
 
-        def vector(name: str) -> torch.Tensor:
-            return tensors[name].dense().contiguous()
+        def vector(name: str) -> torch.Tensor | None:
+            return tensors[name].dense().contiguous() if name in tensors else None
+
+        def bias(*names: str) -> torch.Tensor | None:
+            found = [vector(n) for n in names]
+            return torch.cat(found) if all(v is not None for v in found) else None
 
         layers = []
         for i in range(cfg.num_hidden_layers):
             b = f"blk.{i}."
             layers.append(llama_family.LayerWeights(
                 ln1=vector(b + "attn_norm.weight"), ln2=vector(b + "ffn_norm.weight"),
-                qkv=matrix(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"), qkv_bias=None,
-                o=matrix(b + "attn_output.weight"), o_bias=None,
-                gate_up=matrix(b + "ffn_gate.weight", b + "ffn_up.weight"), down=matrix(b + "ffn_down.weight")))
+                qkv=matrix(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
+                qkv_bias=bias(b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"),
+                o=matrix(b + "attn_output.weight"), o_bias=vector(b + "attn_output.bias"),
+                gate_up=matrix(b + "ffn_gate.weight", b + "ffn_up.weight"), down=matrix(b + "ffn_down.weight"),
+                q_norm=vector(b + "attn_q_norm.weight"), k_norm=vector(b + "attn_k_norm.weight")))
         embed = matrix("token_embd.weight")
         head = matrix("output.weight") if "output.weight" in tensors else embed      # tied
+        if isinstance(embed, torch.Tensor):
+            embed = embed.t()                          # the lookup table is [vocab, hidden]
         rotary = type(skeleton.model.rotary_emb)(config=cfg).to(device)
         scaling = skeleton.model.layers[0].self_attn.scaling
         self.impl = QuantizedForward(cfg, self.cache, rotary, scaling, embed, vector("output_norm.weight"), head,
