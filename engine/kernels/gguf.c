@@ -219,16 +219,10 @@ static int format(int type, decode_fn *fn, int *bs, int *bytes) {
     }
 }
 
-int gguf_block_size(int type) {
+/* weights and bytes a block of `type` holds; 0 for a type this file does not read */
+int gguf_block(int type, int *bs, int *bytes) {
     decode_fn fn;
-    int bs, bytes;
-    return format(type, &fn, &bs, &bytes) ? bs : 0;
-}
-
-int gguf_block_bytes(int type) {
-    decode_fn fn;
-    int bs, bytes;
-    return format(type, &fn, &bs, &bytes) ? bytes : 0;
+    return format(type, &fn, bs, bytes);
 }
 
 /* y[m0 + m, n] for m < mb: weight row n (row_bytes apart) against x rows m0.. (float32, ldx) */

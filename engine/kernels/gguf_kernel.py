@@ -53,7 +53,8 @@ def _load() -> str:
     lib.gguf_linear_f32.restype = lib.gguf_dequant_f32.restype = I
     lib.gguf_linear_f32.argtypes = [I, P, I64, P, I64, P, I64, I, I, I, I]
     lib.gguf_dequant_f32.argtypes = [I, P, I64, P, I64, I, I, I]
-    lib.gguf_block_size.argtypes = lib.gguf_block_bytes.argtypes = [I]
+    lib.gguf_block.restype = I
+    lib.gguf_block.argtypes = [I, ctypes.POINTER(I), ctypes.POINTER(I)]
     _lib[0] = lib
     # A miscompiled library must not decide anyone's tokens: a K-quant and a legacy block
     # decoded against gguf-py's own reading of the same bytes, before first use.
@@ -71,8 +72,9 @@ def _load() -> str:
 def block(name: str) -> tuple[int, int]:
     """(weights, bytes) a block of the format holds (where the kernels run here)."""
     why_not()
-    lib = _lib[0]
-    return lib.gguf_block_size(TYPES[name]), lib.gguf_block_bytes(TYPES[name])
+    bs, nbytes = ctypes.c_int(), ctypes.c_int()
+    _lib[0].gguf_block(TYPES[name], ctypes.byref(bs), ctypes.byref(nbytes))
+    return bs.value, nbytes.value
 
 
 def row_bytes(name: str, K: int) -> int:
