@@ -27,7 +27,8 @@ from .runner import Job, Runner
 def timings(stats, profile: str | None, note: str = "") -> dict:
     if stats is None:
         return {}
-    return {**({"note": note} if note else {}), "prompt_n": stats.prompt_tokens, "prompt_cached": stats.prompt_tokens - stats.prefill_tokens,
+    return {**({"note": note} if note else {}),
+            "prompt_n": stats.prompt_tokens, "prompt_cached": stats.prompt_tokens - stats.prefill_tokens,
             "prefill_tokens": stats.prefill_tokens, "prefill_per_second": round(stats.prefill_tps, 2),
             "predicted_n": stats.generated_tokens, "decode_per_second": round(stats.decode_tps, 2),
             "tokens_per_pass": round(stats.tokens_per_pass, 3), "acceptance": round(stats.acceptance, 3),

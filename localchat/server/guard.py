@@ -112,7 +112,8 @@ class Guard:
                 body = {"error": message}
             else:
                 kind = {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
-                body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+                body = {"error": {"message": message, "type": kind, "param": None,
+                                  "code": "invalid_api_key" if status == 401 else None}}
             data = json.dumps(body).encode()
             await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
