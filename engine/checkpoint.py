@@ -429,6 +429,21 @@ def gguf_sampling(gguf: Path) -> dict:
     return {"do_sample": True, **found} if found else {}
 
 
+def _gguf_config(gguf: Path):
+    """transformers' config of a GGUF file, with the head size the file states: its mapping
+    drops `{arch}.attention.key_length`, so a head size other than its default (128 for
+    Qwen3) became the wrong shapes."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    fields = GGUFReader(str(gguf)).fields
+    arch = fields["general.architecture"].contents()
+    key = fields.get(f"{arch}.attention.key_length")
+    if key is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(key.contents())
+    return config
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
@@ -445,8 +460,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     _check_gguf_architecture(gguf)
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = _gguf_config(gguf)
         # float32 holds a dequantized GGUF block exactly (scale * q + min, fp16 scales).
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                     dtype=torch.float32)
     except Exception as exc:  # gguf/transformers raise many types for a bad file
         raise CheckpointError(f"{gguf}: cannot import this GGUF file ({type(exc).__name__}: {exc})") from None
     finally:

@@ -67,24 +67,25 @@ def test_speculation_on_it_is_plain_greedy(targets):
     assert list(spec.token_ids) == list(plain.token_ids) and chat.last_stats.drafted_tokens > 0
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_file(tmp_path_factory):
-    """A tiny Llama with the demo's tokenizer (the converter knows its pre-tokenizer), and
-    llama.cpp's converter's F32 and Q8_0 files of it."""
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_file(request, tmp_path_factory):
+    """A tiny Llama or Qwen3 (q/k norms, a head size other than hidden / heads) with the
+    demo's tokenizer (the converter knows its pre-tokenizer), and llama.cpp's converter's
+    F32 and Q8_0 files of it."""
     from transformers import AutoTokenizer
 
     from llama_cpp import convert
     from tiny import build_model
-    base = tmp_path_factory.mktemp("gguf-llama")
+    base = tmp_path_factory.mktemp(f"gguf-{request.param}")
     tok = AutoTokenizer.from_pretrained(checkpoint.resolve(None).path)
-    src = build_model(base / "hf", "llama", tokenizer=tok, layers=2, hidden=64, seed=5)
+    src = build_model(base / "hf", request.param, tokenizer=tok, layers=2, hidden=64, seed=5)
     return src, {kind: convert(src, base / f"tiny.{kind}.gguf", kind) for kind in ("f32", "q8_0")}
 
 
-def test_an_f32_file_is_the_checkpoint_to_the_bit(tiny_llama_file, tmp_path):
-    # llama.cpp's converter interleaves the rotary halves of q and k: put back, the same
-    # weights run the same code (the C layers here) to the same logits
-    src, files = tiny_llama_file
+def test_an_f32_file_is_the_checkpoint_to_the_bit(tiny_file, tmp_path):
+    # llama.cpp's converter interleaves the rotary halves of a Llama's q and k: put back, the
+    # same weights run the same code (the C layers here) to the same logits
+    src, files = tiny_file
     packed = load_gguf(files["f32"], checkpoint.import_gguf(files["f32"], tmp_path))
     exact = load_resident(src, torch.device("cpu"), torch.float32)
     ids = list(range(100, 140))
@@ -93,8 +94,8 @@ def test_an_f32_file_is_the_checkpoint_to_the_bit(tiny_llama_file, tmp_path):
         assert torch.equal(packed.forward([5]), exact.forward([5]))
 
 
-def test_a_q8_0_file_is_its_dequantized_weights_within_rounding(tiny_llama_file, tmp_path):
-    _, files = tiny_llama_file
+def test_a_q8_0_file_is_its_dequantized_weights_within_rounding(tiny_file, tmp_path):
+    _, files = tiny_file
     imported = checkpoint.import_gguf(files["q8_0"], tmp_path)         # gguf-py's float32 weights
     packed = load_gguf(files["q8_0"], imported)
     exact = load_resident(imported, torch.device("cpu"), torch.float32)

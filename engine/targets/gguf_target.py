@@ -8,9 +8,8 @@ Steps and verify passes multiply through the block kernels (every row a lone row
 speculation is exact by construction); a prefill decodes each weight into a reused buffer
 for the GEMM. A file of float matrices (F32, F16) holds them as plain tensors, which the C
 layer kernels run. Not yet wired to engine.open(): `load_gguf` takes the file and the
-config of its import (engine/checkpoint.import_gguf). Tested on the llama architecture;
-qwen2 and qwen3 are mapped (biases, q/k norms) but wait for a config read from the file's
-own metadata (transformers' GGUF config loses a head size other than 128)."""
+config of its import (engine/checkpoint.import_gguf). Tested on llama and qwen3 files
+written by llama.cpp's converter; qwen2's biases are mapped, untested."""
 from __future__ import annotations
 
 from collections import Counter
