@@ -92,7 +92,7 @@ def test_split_threads_only_where_steps_run_in_localchats_kernels(tiny_llama, to
     assert st.split is not None and st.split.reason == reason
     st.forward([1, 2, 3])
     assert st._compute_threads(5) is None                         # a verify pass: always every thread
-    if st.impl.steps_in_kernels():
+    if st.impl.steps_in_kernels(st.prefetcher.slots[0].views):
         assert st._compute_threads(1) == st.split.threads < torch_threads
         assert "same bits on any thread count" in reason
     st.impl._one = None                                           # as where layer.c does not run

@@ -115,13 +115,16 @@ class StreamedForward(llama_family.LlamaFamilyForward):
     def _output(self, x: torch.Tensor) -> torch.Tensor:
         return self.t.head(x, self._row_kernel(x.shape[0]))
 
-    def steps_in_kernels(self) -> bool:
+    def steps_in_kernels(self, views) -> bool:
         """Whether a one-token step runs in localchat's kernels from the first layer to the
-        logits (layer.c a layer at a time, its final norm, the head through the row kernel).
-        Those compute every output on one thread, summing in one order, so a step's bits do
-        not depend on the thread count; torch's do (its attention over one query row adds
-        the threads' partial sums in their order)."""
-        return self._one is not None and self._kernel and self._one_fits is not False
+        logits (layer.c a layer at a time, its final norm, the head through the row kernel),
+        for layers laid out as `views` (a slot's: every unit shares the layout). Those
+        compute every output on one thread, summing in one order, so a step's bits do not
+        depend on the thread count; torch's do (its attention over one query row adds the
+        threads' partial sums in their order)."""
+        if self._one is not None and self._one_fits is None:
+            self._one_fits = not layer_kernel.why_not_weights([views], self.cache.dtype)
+        return self._one is not None and self._kernel and bool(self._one_fits)
 
 
 class StreamedTarget:
@@ -301,7 +304,7 @@ class StreamedTarget:
                 or self.modules:      # transformers' layers: torch's kernels
             return
         few = max(1, cores - self.filler.readers)
-        if self.impl.steps_in_kernels():
+        if self.impl.steps_in_kernels(self.prefetcher.slots[0].views):
             self.split = SplitCheck(few, f"one-token steps on {few} of {cores} threads, the readers on the rest: "
                                          "localchat's kernels give the same bits on any thread count", cores)
         else:
@@ -319,7 +322,7 @@ class StreamedTarget:
         each row a one-token step's bits."""
         s = self.split
         if (positions != 1 or not self.split_threads or s is None or s.threads is None
-                or torch.get_num_threads() != s.full or not self.impl.steps_in_kernels()):
+                or torch.get_num_threads() != s.full):
             return None
         return s.threads
 
