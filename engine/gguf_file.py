@@ -34,10 +34,6 @@ class Tensor:
     def __init__(self, name: str, kind: str, shape: tuple[int, ...], data: torch.Tensor):
         self.name, self.kind, self.shape, self.data = name, kind, shape, data
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
     def dense(self) -> torch.Tensor:
         """The float32 values (decoded where quantized)."""
         if self.kind in gguf_kernel.TYPES:
@@ -132,7 +128,3 @@ class GGUFWeight:
 
     def tensors(self) -> list[torch.Tensor]:
         return [data for _, data in self.parts]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(d.numel() for _, d in self.parts)
