@@ -75,6 +75,8 @@ class GGUFWeight:
     rows (a fused q/k/v may mix them: Q4_K_M keeps some v projections in Q6_K). Products are
     float32 whatever x's dtype (its values widen exactly)."""
 
+    gguf_blocks = True            # the layer kernel reads it (layer_kernel.py)
+
     def __init__(self, parts: list[tuple[str, torch.Tensor]], K: int):
         for kind, data in parts:
             if kind not in gguf_kernel.TYPES:
@@ -128,3 +130,7 @@ class GGUFWeight:
 
     def tensors(self) -> list[torch.Tensor]:
         return [data for _, data in self.parts]
+
+    def c_parts(self) -> list[tuple[int, int, int, int]]:
+        """(type id, rows, bytes a row, address) of each part, as gguf.c reads them."""
+        return [(gguf_kernel.TYPES[kind], data.shape[0], data.stride(0), data.data_ptr()) for kind, data in self.parts]

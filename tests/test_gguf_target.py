@@ -104,3 +104,24 @@ def test_a_q8_0_file_is_its_dequantized_weights_within_rounding(tiny_file, tmp_p
     with torch.inference_mode():
         got, want = packed.forward(ids, all_logits=True), exact.forward(ids, all_logits=True)
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+def test_steps_run_in_one_call_of_c_as_the_torch_operations_compute_them(targets):
+    # the layer kernel reads the file's blocks (gguf.c's products inside layer.c): one call a
+    # pass, the same products as the forward's torch operations around them
+    packed, _ = targets
+    impl = packed.impl
+    assert impl.layer_kernel_note == "" and impl._stack.has_head
+    ids = list(range(40, 70))
+    with torch.inference_mode():
+        impl.cache.rollback(0)
+        in_c = [packed.forward(ids, all_logits=True)] + [packed.forward([i]) for i in (5, 7)]
+        stack, impl._stack = impl._stack, None
+        try:
+            impl.cache.rollback(0)
+            ops = [packed.forward(ids, all_logits=True)] + [packed.forward([i]) for i in (5, 7)]
+        finally:
+            impl._stack = stack
+            impl.cache.rollback(0)
+    for c, o in zip(in_c, ops):
+        assert (c - o).abs().max() <= 1e-4 * o.abs().max()

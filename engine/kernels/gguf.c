@@ -10,15 +10,18 @@
  *
  * gguf_linear_f32: y[m, n] = sum_k x[m, k] w[n, k] for a few float32 rows of x (one-token
  * steps and verify passes). Activations stay in float32: llama.cpp rounds them to 8 bits
- * for its integer dot products, we do not. A thread takes a range of weight rows; for each
- * it decodes a block once for all the rows of x, and accumulates in FMA chains fixed by
- * the position within the block (32 / VL chains, added in one order at the end). So every
- * output is one fixed sequence of instructions owned by one thread, whatever the number of
- * rows or threads: a verify pass's rows are one-token steps bit for bit.
+ * for its integer dot products, we do not. A block is unpacked once to its integer codes and
+ * per-group scales (unpack_*), shared by all the rows of x; a group's codes, widened to
+ * float, are multiplied with x in one FMA chain, and the chain's sum scaled once, so a
+ * weight's scale is applied per group rather than per weight (the weights are the file's,
+ * the rounding float32's). A thread takes a range of weight rows, and every output is one
+ * fixed sequence of instructions owned by one thread, whatever the number of rows or
+ * threads: a verify pass's rows are one-token steps bit for bit.
  *
  * gguf_dequant_f32: rows [n0, n1) decoded into float32, for a prefill's GEMM. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
@@ -27,13 +30,15 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
        Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
 
 #define GG_MB 4                 /* rows of x per pass over a weight row */
-#define GG_CHAINS (32 / VL)     /* accumulators per row: one per vector of a 32-weight group */
 
 static const int8_t kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-/* IEEE half to float32, exactly (subnormals included) */
-static inline float f16(const uint8_t *p) {
+/* IEEE half to float32, exactly (subnormals included): F16C's conversion where the build has it */
+static inline float gg_half(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
     if (e == 0) {
         float v = ldexpf((float)m, -24);
@@ -43,10 +48,11 @@ static inline float f16(const uint8_t *p) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
 }
 
 static void decode_q4_0(const uint8_t *b, float *o) {
-    const float d = f16(b);
+    const float d = gg_half(b);
     for (int j = 0; j < 16; j++) {
         o[j] = d * (float)((b[2 + j] & 0xf) - 8);
         o[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
@@ -54,7 +60,7 @@ static void decode_q4_0(const uint8_t *b, float *o) {
 }
 
 static void decode_q4_1(const uint8_t *b, float *o) {
-    const float d = f16(b), m = f16(b + 2);
+    const float d = gg_half(b), m = gg_half(b + 2);
     for (int j = 0; j < 16; j++) {
         o[j] = d * (float)(b[4 + j] & 0xf) + m;
         o[j + 16] = d * (float)(b[4 + j] >> 4) + m;
@@ -62,7 +68,7 @@ static void decode_q4_1(const uint8_t *b, float *o) {
 }
 
 static void decode_q5_0(const uint8_t *b, float *o) {
-    const float d = f16(b);
+    const float d = gg_half(b);
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     for (int j = 0; j < 16; j++) {
@@ -72,7 +78,7 @@ static void decode_q5_0(const uint8_t *b, float *o) {
 }
 
 static void decode_q5_1(const uint8_t *b, float *o) {
-    const float d = f16(b), m = f16(b + 2);
+    const float d = gg_half(b), m = gg_half(b + 2);
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
     for (int j = 0; j < 16; j++) {
@@ -82,12 +88,12 @@ static void decode_q5_1(const uint8_t *b, float *o) {
 }
 
 static void decode_q8_0(const uint8_t *b, float *o) {
-    const float d = f16(b);
+    const float d = gg_half(b);
     for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)b[2 + j] * d;
 }
 
 static void decode_iq4_nl(const uint8_t *b, float *o) {
-    const float d = f16(b);
+    const float d = gg_half(b);
     for (int j = 0; j < 16; j++) {
         o[j] = d * (float)kvalues[b[2 + j] & 0xf];
         o[j + 16] = d * (float)kvalues[b[2 + j] >> 4];
@@ -97,7 +103,7 @@ static void decode_iq4_nl(const uint8_t *b, float *o) {
 /* scales[16] qs[64] d dmin: 16 groups of 16, w = d*(sc & 15) * q - dmin*(sc >> 4) */
 static void decode_q2_k(const uint8_t *b, float *o) {
     const uint8_t *sc = b, *qs = b + 16;
-    const float d = f16(b + 80), dmin = f16(b + 82);
+    const float d = gg_half(b + 80), dmin = gg_half(b + 82);
     float dl[16], ml[16];
     for (int i = 0; i < 16; i++) {
         dl[i] = d * (float)(sc[i] & 0xf);
@@ -114,7 +120,7 @@ static void decode_q2_k(const uint8_t *b, float *o) {
 /* hmask[32] qs[64] scales[12] d: 16 groups of 16, 6-bit signed scales, q in -4..3 */
 static void decode_q3_k(const uint8_t *b, float *o) {
     const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
-    const float d = f16(b + 108);
+    const float d = gg_half(b + 108);
     float dl[16];
     for (int i = 0; i < 16; i++) {
         const int lo = i < 8 ? sc[i] & 0xf : sc[i - 8] >> 4;
@@ -143,7 +149,7 @@ static void scale_min_k4(const uint8_t *s, float d, float dmin, float *dsc, floa
 /* d dmin scales[12] qs[128]: 8 groups of 32, w = d*sc * q - dmin*m */
 static void decode_q4_k(const uint8_t *b, float *o) {
     float dsc[8], dm[8];
-    scale_min_k4(b + 4, f16(b), f16(b + 2), dsc, dm);
+    scale_min_k4(b + 4, gg_half(b), gg_half(b + 2), dsc, dm);
     const uint8_t *qs = b + 16;
     for (int c = 0; c < 4; c++)
         for (int s = 0; s < 2; s++)
@@ -156,7 +162,7 @@ static void decode_q4_k(const uint8_t *b, float *o) {
 /* d dmin scales[12] qh[32] qs[128]: as Q4_K with a fifth bit per weight */
 static void decode_q5_k(const uint8_t *b, float *o) {
     float dsc[8], dm[8];
-    scale_min_k4(b + 4, f16(b), f16(b + 2), dsc, dm);
+    scale_min_k4(b + 4, gg_half(b), gg_half(b + 2), dsc, dm);
     const uint8_t *qh = b + 16, *qs = b + 48;
     for (int c = 0; c < 4; c++)
         for (int s = 0; s < 2; s++)
@@ -171,7 +177,7 @@ static void decode_q5_k(const uint8_t *b, float *o) {
 static void decode_q6_k(const uint8_t *b, float *o) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = f16(b + 208);
+    const float d = gg_half(b + 208);
     float dl[16];
     for (int i = 0; i < 16; i++) dl[i] = d * (float)sc[i];
     for (int h = 0; h < 2; h++)
@@ -186,7 +192,7 @@ static void decode_q6_k(const uint8_t *b, float *o) {
 
 /* d scales_h(u16) scales_l[4] qs[128]: 8 groups of 32, 6-bit signed scales, IQ4_NL's values */
 static void decode_iq4_xs(const uint8_t *b, float *o) {
-    const float d = f16(b);
+    const float d = gg_half(b);
     const uint16_t sh = (uint16_t)(b[2] | (b[3] << 8));
     const uint8_t *sl = b + 4, *qs = b + 8;
     for (int g = 0; g < 8; g++) {
@@ -198,79 +204,293 @@ static void decode_iq4_xs(const uint8_t *b, float *o) {
     }
 }
 
-typedef void (*decode_fn)(const uint8_t *, float *);
+/* unpack_*: one block to its integer codes q (int8, in the weights' order) and, per group
+ * of G weights, a scale d[g] and an offset m[g] (formats without one leave m alone), such
+ * that weight e of group g is d[g] * q[e] + m[g]: the decoders' arithmetic, factored. The
+ * codes are unpacked 32 at a time in AVX2's integer instructions (AVX-512 CPUs have them). */
+static inline void put32(int8_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)q, v); }
+static inline __m256i ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline __m256i low_bits(__m256i v, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8((char)mask));
+}
 
-/* a type's decoder, weights a block and bytes a block; 0 for a type this file does not read */
-static int format(int type, decode_fn *fn, int *bs, int *bytes) {
-    switch (type) {
-    case Q4_0: *fn = decode_q4_0; *bs = 32; *bytes = 18; return 1;
-    case Q4_1: *fn = decode_q4_1; *bs = 32; *bytes = 20; return 1;
-    case Q5_0: *fn = decode_q5_0; *bs = 32; *bytes = 22; return 1;
-    case Q5_1: *fn = decode_q5_1; *bs = 32; *bytes = 24; return 1;
-    case Q8_0: *fn = decode_q8_0; *bs = 32; *bytes = 34; return 1;
-    case IQ4_NL: *fn = decode_iq4_nl; *bs = 32; *bytes = 18; return 1;
-    case Q2_K: *fn = decode_q2_k; *bs = 256; *bytes = 84; return 1;
-    case Q3_K: *fn = decode_q3_k; *bs = 256; *bytes = 110; return 1;
-    case Q4_K: *fn = decode_q4_k; *bs = 256; *bytes = 144; return 1;
-    case Q5_K: *fn = decode_q5_k; *bs = 256; *bytes = 176; return 1;
-    case Q6_K: *fn = decode_q6_k; *bs = 256; *bytes = 210; return 1;
-    case IQ4_XS: *fn = decode_iq4_xs; *bs = 256; *bytes = 136; return 1;
-    default: return 0;
+/* 16 bytes of nibbles as 32 codes: the 16 low nibbles, then the 16 high ones */
+static inline __m256i nibbles(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0xf));
+}
+
+/* 32 nibble codes through IQ4's table of values */
+static inline __m256i iq4_values(const uint8_t *p) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(lut, lut), nibbles(p));
+}
+
+/* byte j: 16 where bit j of the 32 at p is set, else 0 (Q5_0 / Q5_1's fifth bits) */
+static inline __m256i fifth_bits(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+static inline __attribute__((always_inline)) void unpack_q4_0(const uint8_t *b, int8_t *q, float *d, float *m) {
+    (void)m;
+    d[0] = gg_half(b);
+    put32(q, _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8)));
+}
+
+static inline __attribute__((always_inline)) void unpack_q4_1(const uint8_t *b, int8_t *q, float *d, float *m) {
+    d[0] = gg_half(b);
+    m[0] = gg_half(b + 2);
+    put32(q, nibbles(b + 4));
+}
+
+static inline __attribute__((always_inline)) void unpack_q5_0(const uint8_t *b, int8_t *q, float *d, float *m) {
+    (void)m;
+    d[0] = gg_half(b);
+    put32(q, _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), fifth_bits(b + 2)), _mm256_set1_epi8(16)));
+}
+
+static inline __attribute__((always_inline)) void unpack_q5_1(const uint8_t *b, int8_t *q, float *d, float *m) {
+    d[0] = gg_half(b);
+    m[0] = gg_half(b + 2);
+    put32(q, _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4)));
+}
+
+static inline __attribute__((always_inline)) void unpack_q8_0(const uint8_t *b, int8_t *q, float *d, float *m) {
+    (void)m;
+    d[0] = gg_half(b);
+    put32(q, ld32(b + 2));
+}
+
+static inline __attribute__((always_inline)) void unpack_iq4_nl(const uint8_t *b, int8_t *q, float *d, float *m) {
+    (void)m;
+    d[0] = gg_half(b);
+    put32(q, iq4_values(b + 2));
+}
+
+/* scales[16] qs[64] d dmin: 16 groups of 16, q in 0..3 */
+static inline __attribute__((always_inline)) void unpack_q2_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+    const uint8_t *sc = b, *qs = b + 16;
+    const float dd = gg_half(b + 80), dmin = gg_half(b + 82);
+    for (int i = 0; i < 16; i++) {
+        d[i] = dd * (float)(sc[i] & 0xf);
+        m[i] = -(dmin * (float)(sc[i] >> 4));
     }
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = ld32(qs + h * 32);
+        for (int s = 0; s < 4; s++) put32(q + h * 128 + s * 32, low_bits(v, 2 * s, 3));
+    }
+}
+
+/* hmask[32] qs[64] scales[12] d: 16 groups of 16, q in -4..3 (4 less where hmask's bit is clear) */
+static inline __attribute__((always_inline)) void unpack_q3_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+    (void)m;
+    const uint8_t *qs = b + 32, *sc = b + 96;
+    const float dd = gg_half(b + 108);
+    for (int i = 0; i < 16; i++) {
+        const int lo = i < 8 ? sc[i] & 0xf : sc[i - 8] >> 4;
+        const int hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+        d[i] = dd * (float)((int8_t)(lo | (hi << 4)) - 32);
+    }
+    const __m256i hm = ld32(b), four = _mm256_set1_epi8(4);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = ld32(qs + h * 32);
+        for (int s = 0; s < 4; s++) {
+            const __m256i high = _mm256_slli_epi16(low_bits(hm, h * 4 + s, 1), 2);     /* 4 or 0 */
+            put32(q + h * 128 + s * 32, _mm256_sub_epi8(_mm256_add_epi8(low_bits(v, 2 * s, 3), high), four));
+        }
+    }
+}
+
+/* d dmin scales[12] qs[128]: 8 groups of 32, q in 0..15 */
+static inline __attribute__((always_inline)) void unpack_q4_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+    scale_min_k4(b + 4, gg_half(b), gg_half(b + 2), d, m);
+    for (int g = 0; g < 8; g++) m[g] = -m[g];
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = ld32(b + 16 + c * 32);
+        put32(q + c * 64, low_bits(v, 0, 0xf));
+        put32(q + c * 64 + 32, low_bits(v, 4, 0xf));
+    }
+}
+
+/* d dmin scales[12] qh[32] qs[128]: as Q4_K with a fifth bit per weight, q in 0..31 */
+static inline __attribute__((always_inline)) void unpack_q5_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+    scale_min_k4(b + 4, gg_half(b), gg_half(b + 2), d, m);
+    for (int g = 0; g < 8; g++) m[g] = -m[g];
+    const __m256i qh = ld32(b + 16);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = ld32(b + 48 + c * 32);
+        put32(q + c * 64, _mm256_or_si256(low_bits(v, 0, 0xf), _mm256_slli_epi16(low_bits(qh, 2 * c, 1), 4)));
+        put32(q + c * 64 + 32, _mm256_or_si256(low_bits(v, 4, 0xf), _mm256_slli_epi16(low_bits(qh, 2 * c + 1, 1), 4)));
+    }
+}
+
+/* ql[128] qh[64] scales[16] (int8) d: 16 groups of 16, q in -32..31 */
+static inline __attribute__((always_inline)) void unpack_q6_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+    (void)m;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float dd = gg_half(b + 208);
+    for (int i = 0; i < 16; i++) d[i] = dd * (float)sc[i];
+    const __m256i bias = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qh = ld32(b + 128 + h * 32);
+        for (int s = 0; s < 4; s++) {
+            const __m256i lo = low_bits(ld32(b + h * 64 + (s & 1) * 32), 4 * (s >> 1), 0xf);
+            const __m256i hi = _mm256_slli_epi16(low_bits(qh, 2 * s, 3), 4);
+            put32(q + h * 128 + s * 32, _mm256_sub_epi8(_mm256_or_si256(lo, hi), bias));
+        }
+    }
+}
+
+/* d scales_h(u16) scales_l[4] qs[128]: 8 groups of 32, 6-bit signed scales, IQ4_NL's values */
+static inline __attribute__((always_inline)) void unpack_iq4_xs(const uint8_t *b, int8_t *q, float *d, float *m) {
+    (void)m;
+    const float dd = gg_half(b);
+    const uint16_t sh = (uint16_t)(b[2] | (b[3] << 8));
+    for (int g = 0; g < 8; g++) {
+        const int s = ((b[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4);
+        d[g] = dd * (float)((int8_t)s - 32);
+        put32(q + g * 32, iq4_values(b + 8 + g * 16));
+    }
+}
+
+typedef void (*decode_fn)(const uint8_t *, float *);
+typedef void (*dot_fn)(const uint8_t *, int, const float *, int64_t, const float *, int64_t, int, int, float *,
+                       int64_t, int);
+
+/* VL int8 codes as float lanes */
+static inline vf codes(const int8_t *p) {
+#if LC_AVX512
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
+}
+
+/* gg_dot_<format>: y[m0 + m, n] for m < mb, weight row n (K weights at wr) against x rows
+ * m0.. For each group of G weights, p = sum x * q in VL lanes (a fixed chain), then acc +=
+ * d[g] * p (two accumulators, by the group's parity) and, for formats with offsets, off +=
+ * m[g] * xs[g] (xs: x summed over the group, once per row; one fused product-sum, so the
+ * bits are the same whatever the build's contraction flags). One function per format, its
+ * unpacking inlined. One fixed sequence per output, whatever mb or the thread. */
+#define GG_DOT(NAME, BS, BYTES, G, OFFSETS)                                                                      \
+static void gg_dot_##NAME(const uint8_t *wr, int K, const float *x, int64_t ldx, const float *xs, int64_t ldxs,  \
+                          int m0, int mb, float *y, int64_t ldy, int n) {                                        \
+    int8_t q[BS] __attribute__((aligned(64)));                                                                   \
+    float d[(BS) / (G)], off_g[(BS) / (G)];                                                                      \
+    vf acc[GG_MB][2];                                                                                            \
+    float off[GG_MB];                                                                                            \
+    for (int m = 0; m < GG_MB; m++) {                                                                            \
+        acc[m][0] = acc[m][1] = vf_zero();                                                                       \
+        off[m] = 0.f;                                                                                            \
+    }                                                                                                            \
+    for (int k0 = 0; k0 < K; k0 += (BS), wr += (BYTES)) {                                                        \
+        unpack_##NAME(wr, q, d, off_g);                                                                          \
+        for (int g = 0; g < (BS) / (G); g++) {                                                                   \
+            const int at = k0 + g * (G), par = (at / (G)) & 1;                                                   \
+            vf w[(G) / VL];                                                                                      \
+            for (int c = 0; c < (G) / VL; c++) w[c] = codes(q + g * (G) + c * VL);                              \
+            const vf dg = vf_set1(d[g]);                                                                         \
+            for (int m = 0; m < mb; m++) {                                                                       \
+                const float *xr = x + (int64_t)(m0 + m) * ldx + at;                                              \
+                vf p = vf_mul(vf_load(xr), w[0]);                                                                \
+                for (int c = 1; c < (G) / VL; c++) p = vf_fmadd(vf_load(xr + c * VL), w[c], p);                 \
+                acc[m][par] = vf_fmadd(dg, p, acc[m][par]);                                                      \
+                if (OFFSETS) off[m] = fmaf(off_g[g], xs[(int64_t)(m0 + m) * ldxs + at / (G)], off[m]);           \
+            }                                                                                                    \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int m = 0; m < mb; m++) y[(int64_t)(m0 + m) * ldy + n] = vf_sum(vf_add(acc[m][0], acc[m][1])) + off[m]; \
+}
+GG_DOT(q4_0, 32, 18, 32, 0)
+GG_DOT(q4_1, 32, 20, 32, 1)
+GG_DOT(q5_0, 32, 22, 32, 0)
+GG_DOT(q5_1, 32, 24, 32, 1)
+GG_DOT(q8_0, 32, 34, 32, 0)
+GG_DOT(iq4_nl, 32, 18, 32, 0)
+GG_DOT(q2_k, 256, 84, 16, 1)
+GG_DOT(q3_k, 256, 110, 16, 0)
+GG_DOT(q4_k, 256, 144, 32, 1)
+GG_DOT(q5_k, 256, 176, 32, 1)
+GG_DOT(q6_k, 256, 210, 16, 0)
+GG_DOT(iq4_xs, 256, 136, 32, 0)
+
+typedef struct {
+    decode_fn decode;
+    dot_fn dot;
+    int bs, bytes, group, offsets;      /* weights and bytes a block, weights a group, has m[] */
+} Format;
+
+/* a type's format; 0 for a type this file does not read */
+static int gg_format(int type, Format *f) {
+#define GG_ROW(NAME, BS, BYTES, G, OFFSETS) {decode_##NAME, gg_dot_##NAME, BS, BYTES, G, OFFSETS}
+    static const Format table[] = {
+        [Q4_0] = GG_ROW(q4_0, 32, 18, 32, 0),
+        [Q4_1] = GG_ROW(q4_1, 32, 20, 32, 1),
+        [Q5_0] = GG_ROW(q5_0, 32, 22, 32, 0),
+        [Q5_1] = GG_ROW(q5_1, 32, 24, 32, 1),
+        [Q8_0] = GG_ROW(q8_0, 32, 34, 32, 0),
+        [Q2_K] = GG_ROW(q2_k, 256, 84, 16, 1),
+        [Q3_K] = GG_ROW(q3_k, 256, 110, 16, 0),
+        [Q4_K] = GG_ROW(q4_k, 256, 144, 32, 1),
+        [Q5_K] = GG_ROW(q5_k, 256, 176, 32, 1),
+        [Q6_K] = GG_ROW(q6_k, 256, 210, 16, 0),
+        [IQ4_NL] = GG_ROW(iq4_nl, 32, 18, 32, 0),
+        [IQ4_XS] = GG_ROW(iq4_xs, 256, 136, 32, 0),
+    };
+#undef GG_ROW
+    if (type < 0 || type >= (int)(sizeof table / sizeof table[0]) || !table[type].decode) return 0;
+    *f = table[type];
+    return 1;
 }
 
 /* weights and bytes a block of `type` holds; 0 for a type this file does not read */
 int gguf_block(int type, int *bs, int *bytes) {
-    decode_fn fn;
-    return format(type, &fn, bs, bytes);
-}
-
-/* y[m0 + m, n] for m < mb: weight row n (row_bytes apart) against x rows m0.. (float32, ldx) */
-static inline void gg_rows(decode_fn fn, int bs, int bytes, const uint8_t *wr, int K, const float *x, int64_t ldx,
-                           int m0, int mb, float *y, int64_t ldy, int n) {
-    float wb[256] __attribute__((aligned(64)));
-    vf acc[GG_MB][GG_CHAINS];
-    for (int m = 0; m < GG_MB; m++)
-        for (int c = 0; c < GG_CHAINS; c++) acc[m][c] = vf_zero();
-    for (int k0 = 0; k0 < K; k0 += bs, wr += bytes) {
-        fn(wr, wb);
-        for (int m = 0; m < mb; m++) {
-            const float *xr = x + (int64_t)(m0 + m) * ldx + k0;
-            for (int k = 0; k < bs; k += 32)
-                for (int c = 0; c < GG_CHAINS; c++)
-                    acc[m][c] = vf_fmadd(vf_load(xr + k + c * VL), vf_load(wb + k + c * VL), acc[m][c]);
-        }
-    }
-    for (int m = 0; m < mb; m++) {
-        vf s = acc[m][0];
-        for (int c = 1; c < GG_CHAINS; c++) s = vf_add(s, acc[m][c]);
-        y[(int64_t)(m0 + m) * ldy + n] = vf_sum(s);
-    }
+    Format f;
+    if (!gg_format(type, &f)) return 0;
+    *bs = f.bs;
+    *bytes = f.bytes;
+    return 1;
 }
 
 /* 0 on success, -1 for a type this file does not read or K not a whole number of blocks */
 int gguf_linear_f32(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, float *y,
                     int64_t ldy, int M, int N, int K, int threads) {
-    decode_fn fn;
-    int bs, bytes;
-    if (!format(type, &fn, &bs, &bytes) || K % bs) return -1;
+    Format f;
+    if (!gg_format(type, &f) || K % f.bs) return -1;
+    const int G = f.group, ng = K / G;
+    float xs_stack[4096];
+    float *xs = f.offsets && (int64_t)M * ng > 4096 ? malloc(sizeof(float) * (size_t)M * (size_t)ng) : xs_stack;
+    if (!xs) return -2;
+    if (f.offsets)
+        for (int m = 0; m < M; m++)
+            for (int g = 0; g < ng; g++) {
+                const float *xr = x + (int64_t)m * ldx + (int64_t)g * G;
+                float s = 0.f;
+                for (int k = 0; k < G; k++) s += xr[k];
+                xs[(int64_t)m * ng + g] = s;
+            }
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int n = 0; n < N; n++)
         for (int m0 = 0; m0 < M; m0 += GG_MB)
-            gg_rows(fn, bs, bytes, w + (int64_t)n * row_bytes, K, x, ldx, m0, M - m0 < GG_MB ? M - m0 : GG_MB,
-                    y, ldy, n);
+            f.dot(w + (int64_t)n * row_bytes, K, x, ldx, xs, ng, m0, M - m0 < GG_MB ? M - m0 : GG_MB, y, ldy, n);
+    if (xs != xs_stack) free(xs);
     return 0;
 }
 
 int gguf_dequant_f32(int type, const uint8_t *w, int64_t row_bytes, float *out, int64_t ldo, int N, int K,
                      int threads) {
-    decode_fn fn;
-    int bs, bytes;
-    if (!format(type, &fn, &bs, &bytes) || K % bs) return -1;
+    Format f;
+    if (!gg_format(type, &f) || K % f.bs) return -1;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int n = 0; n < N; n++) {
         const uint8_t *wr = w + (int64_t)n * row_bytes;
-        for (int k0 = 0; k0 < K; k0 += bs, wr += bytes) fn(wr, out + (int64_t)n * ldo + k0);
+        for (int k0 = 0; k0 < K; k0 += f.bs, wr += f.bytes) f.decode(wr, out + (int64_t)n * ldo + k0);
     }
     return 0;
 }

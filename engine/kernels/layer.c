@@ -8,7 +8,7 @@
  * Why: at the demo model's size a one-token step is some 25 small torch operations a layer,
  * and their dispatch, not the arithmetic, decided its speed (engine/models/llama_family.py
  * says when this runs). The products are rows.c's and, for int8 and int4 weights, q8.c's and
- * q4.c's, included here.
+ * q4.c's, and for a GGUF file's blocks gguf.c's, included here.
  *
  * The property greedy speculation needs holds by construction here too: every row of a pass
  * is computed as a lone row is. Norms, rotary and the cache writes are per row; attention is
@@ -22,14 +22,45 @@
 #if LC_BF16
 #include "q4.c"
 #endif
+#include "gguf.c"
 
 /* A weight matrix [N, K]: dense in the layer's dtype (group 0), per-channel int8 (group -1,
  * q8.c: codes and a scale per row in the layer's dtype), or group-wise int4 in its canonical
- * form (group > 0, q4.c; bf16 layers only) */
+ * form (group > 0, q4.c; bf16 layers only), or a GGUF file's blocks (group GG_MAT: w is a
+ * GGMat; float32 layers only) */
 typedef struct {
     const void *w, *scale, *zero;
     int64_t group;
 } Mat;
+
+#define GG_MAT (-2)
+#define GG_PARTS 8
+
+/* A matrix of GGUF blocks: its rows in parts of one block format each, stacked (a fused q/k/v
+ * whose v is another format); each part `rows` rows of `row_bytes` bytes at w (gguf.c) */
+typedef struct {
+    int64_t type, rows, row_bytes;
+    const uint8_t *w;
+} GGPart;
+
+typedef struct {
+    int64_t count;
+    GGPart part[GG_PARTS];
+} GGMat;
+
+/* y = x @ m.T (+ bias) for M float32 rows: each part's columns by gguf.c's product */
+static void linear_gg(const float *x, int64_t ldx, const GGMat *g, const float *bias, float *y, int64_t ldy,
+                      int M, int N, int K, int threads) {
+    int64_t col = 0;
+    for (int i = 0; i < g->count; i++) {
+        const GGPart *p = &g->part[i];
+        gguf_linear_f32((int)p->type, x, ldx, p->w, p->row_bytes, y + col, ldy, M, (int)p->rows, K, threads);
+        col += p->rows;
+    }
+    if (bias)
+        for (int m = 0; m < M; m++)
+            for (int n = 0; n < N; n++) y[(int64_t)m * ldy + n] += bias[n];
+}
 
 typedef struct {
     const void *ln1, *qkv_bias, *o_bias, *ln2, *q_norm, *k_norm;
@@ -93,6 +124,7 @@ static inline void silu16(const float *g, float *out) {
 #define LINEAR linear_f32
 #define LINEAR_Q8 linear_q8_f32
 #define LINEAR_Q4(...) ((void)0)      /* no int4 weights in a float32 layer (layer_kernel.py) */
+#define LINEAR_GG linear_gg
 #include "layer_body.h"
 #include "moe_body.h"
 #include "hybrid_body.h"
@@ -103,6 +135,7 @@ static inline void silu16(const float *g, float *out) {
 #undef LINEAR
 #undef LINEAR_Q8
 #undef LINEAR_Q4
+#undef LINEAR_GG
 
 #if LC_BF16
 #define ELEM uint16_t
@@ -112,6 +145,7 @@ static inline void silu16(const float *g, float *out) {
 #define LINEAR linear_bf16
 #define LINEAR_Q8 linear_q8_bf16
 #define LINEAR_Q4 linear_q4_bf16
+#define LINEAR_GG(...) ((void)0)      /* GGUF blocks run with float32 activations (layer_kernel.py) */
 #include "layer_body.h"
 #include "moe_body.h"
 #include "hybrid_body.h"

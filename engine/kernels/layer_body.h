@@ -5,7 +5,7 @@
  *   LD(v)       an element as float
  *   ST(f)       a float rounded to an element (as torch rounds a result to the tensor's dtype)
  *   LINEAR      rows.c's product for this type
- *   LINEAR_Q8   q8.c's, LINEAR_Q4 q4.c's (int8 and int4 matrices)
+ *   LINEAR_Q8   q8.c's, LINEAR_Q4 q4.c's (int8 and int4 matrices), LINEAR_GG gguf.c's (GGUF blocks)
  *
  * Every step rounds where the reference (transformers' modules in this dtype, as
  * engine/models/llama_family.py runs them) rounds: RMSNorm's statistics in float32, its
@@ -61,10 +61,12 @@ static void FN(attend)(const ELEM *q, const ELEM *kc, const ELEM *vc, int n, int
 }
 
 /* y = x @ m.T (+ bias) for M rows: rows.c's product, or q8.c's or q4.c's for an int8 or
- * int4 matrix (their scratch at q4s) */
+ * int4 matrix (their scratch at q4s), or gguf.c's for a GGUF file's blocks */
 static void FN(product)(const ELEM *x, int64_t ldx, const Mat *m, const ELEM *bias, ELEM *y, int64_t ldy,
                         int M, int N, int K, void *q4s, int threads) {
-    if (m->group < 0)
+    if (m->group == GG_MAT)
+        LINEAR_GG(x, ldx, (const GGMat *)m->w, bias, y, ldy, M, N, K, threads);
+    else if (m->group < 0)
         LINEAR_Q8(x, ldx, (const int8_t *)m->w, (const ELEM *)m->scale, bias, y, ldy, M, N, K, q4s, threads);
     else if (m->group)
         LINEAR_Q4(x, ldx, (const uint8_t *)m->w, (const uint16_t *)m->scale, (const uint16_t *)m->zero,

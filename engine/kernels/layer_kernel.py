@@ -18,8 +18,9 @@ demo model 3-4% faster in float32 and bf16, 6-7% in int8 and int4 (medians of 8 
 rounds each).
 
 It runs where the row kernel for the dtype runs (the same compiler flags and CPU needs) and
-the model is plain: weights resident, dense in the dtype, per-channel int8 (q8.c) or (bf16)
-int4 in the form engine/kernels/q4.c reads; head size at most 512. Elsewhere,
+the model is plain: weights resident, dense in the dtype, per-channel int8 (q8.c), (bf16)
+int4 in the form engine/kernels/q4.c reads, or (float32) a GGUF file's blocks (gguf.c); head
+size at most 512. Elsewhere,
 and while torch.compile traces a graph, the forward runs its torch operations.
 `LOCALCHAT_KERNELS=off` turns it off with the row kernel; `LOCALCHAT_LAYER_KERNEL=off`
 alone, for comparisons."""
@@ -44,6 +45,19 @@ MATRICES = ("qkv", "o", "gate_up", "down")
 class _Mat(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("group", ctypes.c_int64)]
+
+
+GG_MAT = -2                  # layer.c's Mat.group of a GGUF file's blocks
+GG_PARTS = 8
+
+
+class _GGPart(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int64), ("rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
+                ("w", ctypes.c_void_p)]
+
+
+class _GGMat(ctypes.Structure):
+    _fields_ = [("count", ctypes.c_int64), ("part", _GGPart * GG_PARTS)]
 
 
 class _Weights(ctypes.Structure):
@@ -128,6 +142,12 @@ def why_not_weights(layers, dtype: torch.dtype) -> str:
                 if dtype != torch.bfloat16:
                     return "int4 weights with float32 activations"
                 continue                             # int4 in the form q4.c reads (qweights.Int4Weight)
+            if name in MATRICES and getattr(t, "gguf_blocks", False):
+                if dtype != torch.float32:
+                    return "GGUF blocks with activations other than float32"
+                if len(t.parts) > GG_PARTS:
+                    return f"{name} stacks more than {GG_PARTS} GGUF tensors"
+                continue                             # a GGUF file's blocks (gguf_file.GGUFWeight)
             if name in MATRICES and getattr(t, "own_kernel", False):
                 if t.scale.dtype != dtype:
                     return f"int8 scales in {t.scale.dtype} in a {dtype} layer"
@@ -167,12 +187,22 @@ def _head_fits(head, norm, dtype: torch.dtype) -> bool:
         return head.dtype == dtype and head.is_cpu and head.dim() == 2 and head.t().is_contiguous()
     if getattr(head, "own_kernel", False):
         return head.scale.dtype == dtype
+    if getattr(head, "gguf_blocks", False):
+        return dtype == torch.float32 and len(head.parts) <= GG_PARTS
     return getattr(head, "canonical", False) and dtype == torch.bfloat16
 
 
 def _mat(t) -> _Mat:
     if isinstance(t, torch.Tensor):
         return _Mat(t.data_ptr(), None, None, 0)
+    if getattr(t, "gguf_blocks", False):
+        # The description lives as long as the weight (the pointer in _Mat is to it).
+        gg = getattr(t, "_layer_c", None)
+        if gg is None:
+            gg = t._layer_c = _GGMat(len(t.parts))
+            for part, (type_id, rows, row_bytes, ptr) in zip(gg.part, t.c_parts()):
+                part.type, part.rows, part.row_bytes, part.w = type_id, rows, row_bytes, ptr
+        return _Mat(ctypes.addressof(gg), None, None, GG_MAT)
     if getattr(t, "own_kernel", False):
         return _Mat(t.q.data_ptr(), t.scale.data_ptr(), None, -1)
     return _Mat(t.q.data_ptr(), t.scale.data_ptr(), t.zero.data_ptr(), t.group)
