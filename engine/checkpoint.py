@@ -13,6 +13,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,9 @@ class Checkpoint:
     path: Path          # a directory with config.json, tokenizer and *.safetensors
     name: str           # what the user sees
     source: str         # "dir" | "gguf" | "hub" | "demo"
+    # The .gguf file a "gguf" or "demo" model is: `path` is then its import, whose float32
+    # weights are written only when a profile other than resident-gguf asks for them
+    gguf: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ def resolve(model: str | None, cache_dir: Path | None = None) -> Checkpoint:
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     if not model:
         gguf = demo_gguf_path()
-        return Checkpoint(import_gguf(gguf, cache_dir), DEMO_NAME, "demo")
+        return Checkpoint(import_gguf(gguf, cache_dir), DEMO_NAME, "demo", gguf)
     path = Path(model).expanduser()
     if path.exists():
         if path.is_file():
@@ -61,7 +65,7 @@ def resolve(model: str | None, cache_dir: Path | None = None) -> Checkpoint:
                 raise CheckpointError(
                     f"{path}: not a model directory or a .gguf file; give a directory with "
                     "config.json and *.safetensors, a .gguf file, or a Hugging Face repo id")
-            return Checkpoint(import_gguf(path, cache_dir), path.name, "gguf")
+            return Checkpoint(import_gguf(path, cache_dir), path.name, "gguf", path.resolve())
         validate_dir(path)
         return Checkpoint(path, path.name, "dir")
     if _looks_like_path(model):
@@ -186,7 +190,9 @@ def validate_dir(path: Path) -> None:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those named by the index when there is one."""
+    """The safetensors files of a checkpoint: those named by the index when there is one.
+    A GGUF model's import gets its float32 weights here, written on first need."""
+    import_weights(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -304,8 +310,11 @@ def check_tensors(path: Path) -> None:
 
 
 def import_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """Dequantize a GGUF file once into a safetensors directory in the cache.
-    Keyed by the file's name, size and mtime, so an edited file is imported again."""
+    """A GGUF file's import in the cache: its config, tokenizer and generation config, as a
+    checkpoint directory has them, read once from the file's metadata. The weights stay in
+    the file (the resident-gguf profile runs its blocks); `import_weights` writes a float32
+    copy beside them when another profile asks for one. Keyed by the file's path, size and
+    mtime, so an edited file is imported again."""
     gguf = Path(gguf).resolve()
     try:
         st = gguf.stat()
@@ -336,6 +345,37 @@ def import_gguf(gguf: Path, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def gguf_source(path: Path) -> Path | None:
+    """The .gguf file a cache import directory was made from (None for any other folder)."""
+    mark = Path(path) / ".complete"
+    if not mark.is_file() or Path(path).parent.name != "imports":
+        return None
+    try:
+        return Path(mark.read_text().strip())
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def import_weights(path: Path) -> None:
+    """Write a GGUF import's float32 weights (model.safetensors), dequantized by gguf-py,
+    where they are not yet written: what every profile but resident-gguf loads. A no-op for
+    any other directory."""
+    path = Path(path)
+    gguf = gguf_source(path)
+    if gguf is None or any(path.glob("*.safetensors")):
+        return
+    if not gguf.is_file():
+        raise ModelNotFound(f"{gguf}: the GGUF file {path} was imported from is gone; give the file again")
+    tmp = path / f".model.{os.getpid()}.{threading.get_ident()}.partial"
+    try:
+        _write_gguf_weights(gguf, tmp)
+        os.replace(tmp, path / "model.safetensors")
+    except OSError as exc:
+        raise CheckpointError(unwritable(path, exc, "the imported weights")) from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def unwritable(folder: Path, exc: OSError, what: str) -> str:
@@ -444,49 +484,71 @@ def _gguf_config(gguf: Path):
     return config
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+class _QuietGGUF:
+    """transformers' GGUF reader, its tqdm bar off while in use (the engine never prints)."""
 
-    hf_logging.disable_progress_bar()
-    # transformers' GGUF reader draws its own tqdm bar: the engine never prints.
-    import functools
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    old = getattr(gguf_utils, "tqdm", None)
-    if old is not None:
-        gguf_utils.tqdm = functools.partial(old, disable=True)
+    def __enter__(self):
+        import functools
+
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        self.utils, self.old = gguf_utils, getattr(gguf_utils, "tqdm", None)
+        if self.old is not None:
+            gguf_utils.tqdm = functools.partial(self.old, disable=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            self.utils.tqdm = self.old
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """The config, tokenizer and generation config of a GGUF file, written into `out`."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
     _check_gguf_architecture(gguf)
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        config = _gguf_config(gguf)
-        # float32 holds a dequantized GGUF block exactly (scale * q + min, fp16 scales).
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
-                                                     dtype=torch.float32)
-    except Exception as exc:  # gguf/transformers raise many types for a bad file
-        raise CheckpointError(f"{gguf}: cannot import this GGUF file ({type(exc).__name__}: {exc})") from None
-    finally:
-        if old is not None:
-            gguf_utils.tqdm = old
-    config = model.config
-    # transformers refuses save_pretrained on a GGUF-loaded model: write the pieces ourselves,
-    # as a plain float32 checkpoint without the quantization_config.
+    with _QuietGGUF():
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config = _gguf_config(gguf)
+        except Exception as exc:  # gguf/transformers raise many types for a bad file
+            raise CheckpointError(f"{gguf}: cannot import this GGUF file ({type(exc).__name__}: {exc})") from None
+    # written as a plain float32 checkpoint's config, without the quantization_config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
     config.save_pretrained(out)
     tok.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
     sampling = gguf_sampling(gguf)
     if sampling:                                    # the file's recommended sampling, as a checkpoint writes it
         written = json.loads((out / "generation_config.json").read_text())
         (out / "generation_config.json").write_text(json.dumps({**written, **sampling}, indent=2) + "\n")
+
+
+def _write_gguf_weights(gguf: Path, out: Path) -> None:
+    """The float32 weights of a GGUF file (gguf-py's dequantization, through transformers'
+    GGUF loader) as one safetensors file at `out`; refused before anything is written where
+    a weight is not finite."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with _QuietGGUF():
+        try:
+            config = _gguf_config(gguf)
+            # float32 holds a dequantized GGUF block exactly (scale * q + min, fp16 scales).
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                         dtype=torch.float32)
+        except Exception as exc:  # gguf/transformers raise many types for a bad file
+            raise CheckpointError(f"{gguf}: cannot import this GGUF file ({type(exc).__name__}: {exc})") from None
     state = model.state_dict()
-    if getattr(config, "tie_word_embeddings", False):
+    if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    check_finite(state.items(), gguf)               # refused before anything is written
-    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    check_finite(state.items(), gguf)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata={"format": "pt"})
 
 
 # ---------------------------------------------------------------- hub

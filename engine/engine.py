@@ -19,6 +19,7 @@ from .sampling import model_defaults
 from .session import Chat
 from .speculative import DraftController, PassCosts
 from .targets.qcache import source_identity
+from .targets.gguf_target import gguf_why_not, load_gguf
 from .targets.quantized import load_quantized
 from .targets.resident import checkpoint_dtype, load_resident
 
@@ -100,7 +101,10 @@ class Engine:
                                  "(as slow as plain decoding); use --drafter-weights int4 or int8")
             dtok = self.tokenizer if self_draft else _load_tokenizer(dckpt.path)
             check_compatible(self.tokenizer, dtok, self.name, dckpt.name)
-            if weights == "exact":
+            if weights == "exact" and dckpt.gguf is not None and not gguf_why_not(dckpt.gguf) \
+                    and dtype in (None, "auto", "float32", "fp32"):
+                dtarget = load_gguf(dckpt.gguf, dckpt.path)        # a .gguf drafter runs its own blocks
+            elif weights == "exact":
                 dtarget = load_resident(dckpt.path, self.device, _pick_dtype(dtype, self.device, dckpt.path),
                                         fast=fast)
             else:

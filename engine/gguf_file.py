@@ -42,7 +42,26 @@ class Tensor:
 
 
 def read(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
-    """(metadata fields by key, tensors by name) of a GGUF file, memory-mapped."""
+    """(metadata fields by key, tensors by name) of a GGUF file, memory-mapped; the last few
+    files read are kept (planning, checking and loading a model each read its table)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    with _read_lock:
+        got = _read_cache.get(key)
+        if got is None:
+            got = _read(path)
+            _read_cache[key] = got
+            while len(_read_cache) > 4:
+                _read_cache.pop(next(iter(_read_cache)))
+    return got
+
+
+_read_cache: dict[tuple, tuple[dict, dict]] = {}
+_read_lock = threading.Lock()
+
+
+def _read(path: Path) -> tuple[dict, dict[str, Tensor]]:
     import warnings
 
     import numpy as np

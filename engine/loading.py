@@ -12,20 +12,24 @@ from . import checkpoint as _checkpoint
 from .engine import Engine, _check_drafter, _load_tokenizer, _pick_dtype
 from .errors import BadRequest
 from .targets import routing
+from .targets.gguf_target import gguf_why_not, load_gguf
 from .targets.quantized import load_quantized
 from .targets.resident import load_resident
 from .targets.streamed import load_streamed
 
 # The profiles this engine has targets for; the planner shows the others for what they need.
-RUNNABLE = ("resident-exact", "resident-int8", "resident-int4", "streamed-exact")
-RUNNABLE_KINDS = {("resident", "exact"), ("resident", "int8"), ("resident", "int4"), ("streamed", "exact")}
+RUNNABLE = ("resident-gguf", "resident-exact", "resident-int8", "resident-int4", "streamed-exact")
+RUNNABLE_KINDS = {("resident", "gguf"), ("resident", "exact"), ("resident", "int8"), ("resident", "int4"),
+                  ("streamed", "exact")}
 
 
-def runnable(profile_list, shape: planner.ModelShape | None = None) -> tuple[str, ...]:
+def runnable(profile_list, shape: planner.ModelShape | None = None, gguf_why: str = "") -> tuple[str, ...]:
     """Names of the profiles (built-in or a user's) this engine has a target for, for this
     model if `shape` is given (every profile runs hybrids too: transformers' own layers
-    over our cache, over packed weights, or bound to streamed slots)."""
-    return tuple(p.name for p in profile_list if (p.placement, p.weights) in RUNNABLE_KINDS)
+    over our cache, over packed weights, or bound to streamed slots). resident-gguf runs a
+    .gguf model whose blocks run here (`gguf_why` empty)."""
+    return tuple(p.name for p in profile_list if (p.placement, p.weights) in RUNNABLE_KINDS
+                 and (p.weights != "gguf" or shape is not None and shape.gguf_linear_bytes and not gguf_why))
 
 
 def open(model: str | None = None, *, device: str = "auto", dtype: str | None = None,
@@ -70,11 +74,15 @@ def open(model: str | None = None, *, device: str = "auto", dtype: str | None = 
                             plan_profiles, dtype_given=dtype not in (None, "auto"))
     tokenizer = _load_tokenizer(ckpt.path)
     prof = profiles.find(plan_profiles, plan.chosen)
-    if (prof.placement, prof.weights) != ("resident", "exact"):
+    if prof.weights != "gguf":
+        _checkpoint.import_weights(ckpt.path)        # a GGUF model's float32 copy, on first need
+    if (prof.placement, prof.weights) not in (("resident", "exact"), ("resident", "gguf")):
         # The streamed and quantized targets read tensors by name from the files; the
         # resident loader checks what transformers loaded (its load report) instead.
         _checkpoint.check_tensors(ckpt.path)
-    if prof.placement == "streamed":
+    if prof.weights == "gguf":
+        target = load_gguf(ckpt.gguf, ckpt.path)
+    elif prof.placement == "streamed":
         row = plan.row(plan.chosen)
         target = load_streamed(ckpt.path, dev, dt, weight_budget=row.budget - (row.total - row.weights),
                                host_budget=host_room, context=row.context,
@@ -148,16 +156,21 @@ def _plan(ckpt, dev, dt, memory_budget, host_memory, cache_dir, profile, context
     from dataclasses import replace as _replace
     cfg = _json.loads((ckpt.path / "config.json").read_text())
     max_pos = int(cfg.get("max_position_embeddings") or 8192)
-    shape = _replace(planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name),
-                     dtype_bytes=torch.finfo(dt).bits // 8)
+    shape = _replace(planner.ModelShape.of(ckpt), dtype_bytes=torch.finfo(dt).bits // 8)
     hw = hardware.detect(cache_dir, vram=memory_budget, ram=host_memory, device=str(dev))
     every = every or profiles.builtin()
     names = [p.name for p in every]
     forced = profile if profile not in (None, "auto") else None
     if forced and forced not in names:
         raise BadRequest(f"--profile {forced}: no such profile (have: auto, {', '.join(names)})")
-    can = runnable(every, shape)
+    # A GGUF model runs its own blocks unless another dtype is asked for (they compute in float32)
+    gguf_why = gguf_why_not(ckpt.gguf) if ckpt.gguf is not None else "not a .gguf model"
+    if not gguf_why and dtype_given and dt != torch.float32:
+        gguf_why = f"--dtype {str(dt).removeprefix('torch.')} asks for a converted copy"
+    can = runnable(every, shape, gguf_why)
     if forced and forced not in can:
+        if forced == "resident-gguf":
+            raise BadRequest(f"--profile resident-gguf: {gguf_why}; use one of {', '.join(can)} or auto")
         raise BadRequest(f"--profile {forced}: this version runs {', '.join(can)}; use one of those or auto")
     # tok/s bounds (and a streamed pass's compute time) from this machine's measured read rate
     bw = bandwidth.rates(bandwidth.measured(cache_dir or _checkpoint.default_cache_dir(), dev))

@@ -128,7 +128,9 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
         # On a CPU, --vram is the memory the engine may hold (weights, KV, buffers); the
         # Python runtime lives outside it.
         runtime = 0
-    profiles = sorted(profiles, key=lambda p: (p.rank, p.name))    # the choice below takes the first that fits
+    # resident-gguf holds a .gguf model's own blocks: no row for a model that has none
+    profiles = sorted((p for p in profiles if p.weights != "gguf" or shape.gguf_linear_bytes),
+                      key=lambda p: (p.rank, p.name))    # the choice below takes the first that fits
     rows = [_chunked_row(shape, hw, p, context, drafter, runtime, kind, bw, drafter_weights, quant_act_bytes,
                          routing) for p in profiles]
     skip = [] if runnable is None else [p.name for p in profiles if p.name not in runnable]
@@ -152,7 +154,8 @@ def make_plan(shape: ModelShape, hw: Hardware, profiles: list[Profile], context:
     best = fitting[0]          # by rank: exact > int8 > int4 > streamed
     better = [r for r in rows[:rows.index(best)]]
     if not better:
-        reason = f"{best.profile}: the original weights fit on the device with room for {best.context} tokens of context."
+        what = "the file's own blocks" if best.profile == "resident-gguf" else "the original weights"
+        reason = f"{best.profile}: {what} fit on the device with room for {best.context} tokens of context."
     else:
         reason = (f"{best.profile}: {better[0].profile} would need {gb(better[0].total)} of the "
                   f"{gb(hw.budget_bytes)} budget; this is the best profile that fits.")
@@ -177,6 +180,8 @@ def _row(shape: ModelShape, hw: Hardware, p: Profile, context: int, drafter: Mod
     budget = hw.budget_bytes
     if p.weights in ("int8", "int4") and quant_act_bytes:
         shape = replace(shape, dtype_bytes=quant_act_bytes)
+    if p.weights == "gguf":
+        shape = replace(shape, dtype_bytes=4)          # a GGUF target computes and caches in float32
     kv_tok = shape.kv_bytes_per_token()
     draft_bytes = 0
     if drafter is not None and p.drafter in ("auto", "model", "mtp"):

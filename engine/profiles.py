@@ -6,7 +6,7 @@ the wheel; users add their own in the config dir's `profiles/`).
     rank = 4                 # preference when several fit: lower first
     [target]
     placement = "streamed"   # resident | streamed
-    weights = "exact"        # exact | int8 | int4
+    weights = "exact"        # exact | int8 | int4 | gguf (a .gguf model's own blocks)
     group_size = 32          # int4 only
     head = "int8"            # int8/int4: the output head in int8 (per channel), or "exact"
     embeddings = false       # int8/int4: quantize the embeddings and output head as the layers
@@ -27,7 +27,7 @@ from pathlib import Path
 from .errors import BadRequest
 
 PLACEMENTS = ("resident", "streamed")
-WEIGHTS = ("exact", "int8", "int4")
+WEIGHTS = ("exact", "int8", "int4", "gguf")
 HEADS = ("int8", "exact")
 DRAFTER_KINDS = ("auto", "ngram", "model", "mtp", "none")
 
@@ -51,8 +51,8 @@ class Profile:
     def head_format(self) -> str:
         """How the output head is held: exact beside exact weights, as the layers with
         `embeddings`, else `head`."""
-        if self.weights == "exact":
-            return "exact"
+        if self.weights in ("exact", "gguf"):
+            return self.weights
         return self.weights if self.embeddings else self.head
 
 

@@ -48,6 +48,13 @@ class ModelShape:
     file_dtype_bytes: int = 0
     # The longest context the model was made for (max_position_embeddings; 0: not said)
     max_positions: int = 0
+    # A .gguf model's bytes as its file stores them (the resident-gguf profile holds them so):
+    # the decoder matrices, the routed experts among them, the output head (or the tied
+    # table), and everything else (embedding table, norms). 0: not a GGUF model.
+    gguf_linear_bytes: int = 0
+    gguf_expert_bytes: int = 0
+    gguf_head_bytes: int = 0
+    gguf_other_bytes: int = 0
 
     def replay_bytes(self, max_draft: int, act_bytes: int | None = None) -> int:
         """The replay buffer of a conversation drafting up to max_draft tokens a round."""
@@ -68,7 +75,10 @@ class ModelShape:
 
     def weight_bytes(self, weights: str = "exact", group_size: int = 32, head: str = "exact") -> int:
         """Every weight held: the decoder matrices in `weights`, the output head (a tied
-        table, which also serves the embedding lookups) in `head`, the rest exact."""
+        table, which also serves the embedding lookups) in `head`, the rest exact; "gguf":
+        the file's own bytes."""
+        if weights == "gguf":
+            return self.gguf_linear_bytes + self.gguf_head_bytes + self.gguf_other_bytes
         return (self.linear_bytes(weights, group_size) + self.other_params * self.dtype_bytes
                 - self._head_saving(head, group_size))
 
@@ -91,6 +101,11 @@ class ModelShape:
         """The bytes a pass of `positions` tokens reads: every decoder matrix but the routed
         experts, the experts its tokens route to, the norms and the head (in `head`), and one
         embedding row a token (a tied table is read whole, as the head)."""
+        if weights == "gguf":
+            dense = self.gguf_linear_bytes - self.gguf_expert_bytes
+            rows = 0 if self.tied_embeddings else positions * self.hidden * 4
+            return (dense + int(self.gguf_expert_bytes * self.expert_fraction(positions)) + self.gguf_head_bytes
+                    + rows + 4 * self.hidden * (2 * self.layers + 1))
         dense = self.linear_params - self.expert_params
         linear = self.linear_bytes(weights, group_size, dense) \
             + int(self.linear_bytes(weights, group_size, self.expert_params) * self.expert_fraction(positions))
@@ -106,7 +121,12 @@ class ModelShape:
             return p + 2 * (p // self.hidden)
         if weights == "int4":        # half a byte a weight + bf16 scale and zero per group
             return p // 2 + 4 * (p // group_size)
-        raise BadRequest(f"weights {weights!r}: use exact, int8 or int4")
+        if weights == "gguf":        # as the file stores them (its mix of block formats)
+            if p == self.expert_params:
+                return self.gguf_expert_bytes
+            return self.gguf_linear_bytes if p == self.linear_params else p * self.gguf_linear_bytes // max(
+                1, self.linear_params)
+        raise BadRequest(f"weights {weights!r}: use exact, int8, int4 or gguf")
 
     @classmethod
     def from_config(cls, cfg: dict, name: str = "", dtype_bytes: int | None = None,
@@ -191,6 +211,52 @@ class ModelShape:
                 other += n
         return replace(shape, dtype_bytes=dt, linear_params=linear, other_params=other, expert_params=experts,
                        mtp_params=mtp, file_dtype_bytes=dt)
+
+    @classmethod
+    def of(cls, ckpt) -> "ModelShape":
+        """The shape of a resolved model (checkpoint.Checkpoint): from its .gguf file's table
+        where it is one, else from its safetensors headers."""
+        if getattr(ckpt, "gguf", None) is not None:
+            return cls.from_gguf(ckpt.gguf, ckpt.path, ckpt.name)
+        return cls.from_checkpoint(ckpt.path, ckpt.name)
+
+    @classmethod
+    def from_gguf(cls, gguf: Path, config_dir: Path, name: str = "") -> "ModelShape":
+        """A .gguf model's shape: its structure from the config of its import (config_dir),
+        its parameters and bytes from the file's tensor table (no weight is read). Counted
+        as a float32 checkpoint of the same weights (what the other profiles load: the
+        import's dequantized copy), and as the file's bytes for resident-gguf."""
+        from .gguf_file import read
+        where = Path(config_dir) / "config.json"
+        try:
+            cfg = json.loads(where.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{where}: unreadable config ({exc}); delete that folder to import again") from None
+        shape = cls.from_config(cfg, name or Path(gguf).name, dtype_bytes=4, where=str(where))
+        _, tensors = read(Path(gguf))
+        linear = other = experts = 0
+        lin_b = exp_b = head_b = other_b = 0
+        for t in tensors.values():
+            n = 1
+            for d in t.shape:
+                n *= d
+            size = t.data.numel() * t.data.element_size()        # as held: F16 widens to float32
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) >= 2 \
+                    and not t.name.endswith("ffn_gate_inp.weight"):
+                linear += n
+                lin_b += size
+                if "_exps." in t.name:
+                    experts += n
+                    exp_b += size
+            else:
+                other += n
+                if t.name == "output.weight" or t.name == "token_embd.weight" and "output.weight" not in tensors:
+                    head_b += size
+                else:
+                    other_b += size
+        return replace(shape, linear_params=linear, other_params=other, expert_params=experts, file_dtype_bytes=0,
+                       gguf_linear_bytes=lin_b, gguf_expert_bytes=exp_b, gguf_head_bytes=head_b,
+                       gguf_other_bytes=other_b)
 
     def mtp_drafter(self, context: int) -> "ModelShape":
         """The MTP layer as a drafter's shape for the plan: its weights (loaded in the

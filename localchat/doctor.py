@@ -139,7 +139,9 @@ def doctor_main(argv: list[str]) -> int:
         print(_kernel_text())
     print(f"\nModel: {shape.name} · {shape.params / 1e6:.1f} M parameters · {shape.layers} layers · "
           f"{shape.kv_bytes_per_token():,} bytes of KV per token · context planned {planned}")
-    if planned_from != "checkpoint":
+    if ckpt is not None and ckpt.gguf is not None:
+        print(_gguf_text(ckpt.gguf))
+    elif planned_from != "checkpoint":
         print(f"Planned from {planned_from}: the model is not downloaded "
               f"(`localchat setup --model {settings.model}` fetches it)")
     print(_bandwidth_text(read, bw, hw.device, args.measure))
@@ -218,7 +220,7 @@ def _model_shape(model: str | None):
                                 "when online, or give a local path")
         return None, shape, "its config.json on the hub"
     ckpt = checkpoint.resolve(model)
-    return ckpt, planner.ModelShape.from_checkpoint(ckpt.path, ckpt.name), "checkpoint"
+    return ckpt, planner.ModelShape.of(ckpt), "checkpoint"
 
 
 def _replay_text(plan, shape, profs) -> str | None:
@@ -311,6 +313,21 @@ def _hw_dict(hw) -> dict:
 ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2"}
 
 
+def _gguf_text(gguf) -> str:
+    """What a .gguf model's file holds: its size and its matrices' block formats, and
+    whether they run as stored here."""
+    from collections import Counter
+
+    from engine.gguf_file import read
+    from engine.targets.gguf_target import gguf_why_not
+    _, tensors = read(gguf)
+    kinds = Counter(t.kind for t in tensors.values() if len(t.shape) >= 2)
+    mix = ", ".join(f"{k} ({n})" for k, n in kinds.most_common())
+    why = gguf_why_not(gguf)
+    runs = "its blocks run as stored (resident-gguf)" if not why else f"resident-gguf does not run it: {why}"
+    return f"File: {gguf} · {human_bytes(gguf.stat().st_size)} · matrices in {mix}; {runs}"
+
+
 def _kernel_text() -> str:
     from engine import kernels
     st = kernels.status()
@@ -336,10 +353,12 @@ def _kernel_text() -> str:
             ("int8", "int8 weights are read as stored, whole layers in one call", "aten's int8 kernel"),
             ("int4", "int4 weights are read in their own form, whole layers in one call", "aten's int4 kernel"),
             ("gated delta-net", "a hybrid's conv and recurrence steps run in C (with the layer kernels, "
-             "Qwen3.5's whole layers)", "transformers' functions")):
+             "Qwen3.5's whole layers)", "transformers' functions"),
+            ("GGUF blocks", "a .gguf model's Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL and IQ4_XS blocks are read as stored, "
+             "activations in float32, whole layers in one call", "its float32 import")):
         why = st[name]
-        lines.append(f"{name.capitalize()} kernel: {ready_text}" if not why
-                     else f"{name.capitalize()} kernel: not used, {why}; {instead} instead")
+        title = name[0].upper() + name[1:]
+        lines.append(f"{title} kernel: {ready_text}" if not why else f"{title} kernel: not used, {why}; {instead} instead")
     from engine.kernels import gemm
     bf16 = "torch's" if gemm.native_bf16() else "widened to float32, then the float32 one"
     lines.append(f"Prefill products: float32 {gemm.note()}; bfloat16 {bf16}")

@@ -111,12 +111,18 @@ def _profile_here(ckpt: Path | None, hw, bw) -> str:
     if ckpt is None:
         return "–"
     import engine
-    from engine import planner, profiles
+    from engine import checkpoint, planner, profiles
     from engine.errors import EngineError
+    from engine.targets.gguf_target import gguf_why_not
     try:
-        shape = planner.ModelShape.from_checkpoint(ckpt)
+        gguf = checkpoint.gguf_source(ckpt)          # a GGUF import: planned from its file
+        if gguf is not None and gguf.is_file():
+            shape, why = planner.ModelShape.from_gguf(gguf, ckpt), gguf_why_not(gguf)
+        else:
+            shape, why = planner.ModelShape.from_checkpoint(ckpt), ""
         every = profiles.builtin()
-        plan = planner.make_plan(shape, hw, every, context=4096, runnable=engine.runnable(every, shape), bandwidth=bw)
+        plan = planner.make_plan(shape, hw, every, context=4096, runnable=engine.runnable(every, shape, why),
+                                 bandwidth=bw)
     except (EngineError, OSError, ValueError) as exc:
         return f"unreadable ({str(exc).splitlines()[0][:40]})"
     return plan.chosen or "does not fit"

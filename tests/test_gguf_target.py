@@ -125,3 +125,20 @@ def test_steps_run_in_one_call_of_c_as_the_torch_operations_compute_them(targets
             impl.cache.rollback(0)
     for c, o in zip(in_c, ops):
         assert (c - o).abs().max() <= 1e-4 * o.abs().max()
+
+
+def test_a_gguf_file_opens_as_stored_and_its_float_copy_is_written_only_when_asked(tmp_path):
+    from engine.errors import BadRequest
+    demo = checkpoint.demo_gguf_path()
+    eng = engine.open(str(demo), cache_dir=tmp_path, drafter="none")
+    assert eng.plan.chosen == "resident-gguf" and eng.target.kind == "gguf"
+    assert eng.plan.row("resident-gguf").weights <= demo.stat().st_size
+    assert not list((tmp_path / "imports").glob("*/*.safetensors"))          # config and tokenizer only
+    with pytest.raises(BadRequest, match="resident-gguf: --dtype bfloat16"):
+        engine.open(str(demo), cache_dir=tmp_path, profile="resident-gguf", dtype="bfloat16")
+    exact = engine.open(str(demo), cache_dir=tmp_path, profile="resident-exact", drafter="none")
+    assert exact.target.kind != "gguf" and len(list((tmp_path / "imports").glob("*/model.safetensors"))) == 1
+    prompt = "Name three colours."
+    a = list(eng.chat().send(prompt, max_new_tokens=12))[-1].token_ids
+    b = list(exact.chat().send(prompt, max_new_tokens=12))[-1].token_ids
+    assert len(a) > 0 and len(b) > 0

@@ -151,13 +151,15 @@ def test_doctor_table_and_forced_profile(tiny_llama):
 
 @pytest.mark.demo
 def test_planned_resident_bytes_match_what_the_engine_holds(demo_engine):
-    """Predicted weights + KV for the demo model's resident-exact profile against the bytes
-    the running engine actually holds (its weight tensors and its preallocated cache)."""
+    """Predicted weights + KV for the profile the demo model runs (resident-gguf: its file's
+    blocks) against the bytes the running engine actually holds (its weight tensors and its
+    preallocated cache)."""
     t = demo_engine.target
-    shape = ModelShape.from_checkpoint(demo_engine.checkpoint.path)
+    assert demo_engine.plan.chosen == "resident-gguf"
+    shape = ModelShape.of(demo_engine.checkpoint)
     hw = hardware.detect(vram="4GiB", device="cpu")
     plan = make_plan(shape, hw, profiles.load_all(), context=t.cache.capacity)
-    row = plan.row("resident-exact")
+    row = plan.row("resident-gguf")
     predicted = row.weights + row.kv
     assert abs(predicted / t.device_bytes() - 1) < 0.15
     assert row.kv == t.cache.nbytes()

@@ -3,10 +3,9 @@
  * for the K-quants and IQ4_XS), laid out as ggml writes them (ggml-common.h; gguf-py's
  * quants.py reads the same bytes in numpy).
  *
- * decode_*: one block to bs float32 weights, each computed as ggml and gguf-py compute it
- * (a product, then a sum or difference, each rounded to float32: this file is built with
- * -ffp-contract=off, so no compiler fuses them), so the weights are the file's own to the
- * bit.
+ * gg_decode_*: one block to bs float32 weights, each computed as ggml and gguf-py compute it
+ * (a product, then a sum, each rounded to float32: this file is built with -ffp-contract=off,
+ * so no compiler fuses them), so the weights are the file's own to the bit.
  *
  * gguf_linear_f32: y[m, n] = sum_k x[m, k] w[n, k] for a few float32 rows of x (one-token
  * steps and verify passes). Activations stay in float32: llama.cpp rounds them to 8 bits
@@ -28,6 +27,14 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
        Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+
+/* every format this file reads: its unpack_ function's suffix, its GGUF type, weights and
+ * bytes a block, weights a group (one scale), whether a group has an offset as well */
+#define GG_FORMATS(X)                                                                                            \
+    X(q4_0, Q4_0, 32, 18, 32, 0) X(q4_1, Q4_1, 32, 20, 32, 1) X(q5_0, Q5_0, 32, 22, 32, 0)                        \
+    X(q5_1, Q5_1, 32, 24, 32, 1) X(q8_0, Q8_0, 32, 34, 32, 0) X(iq4_nl, IQ4_NL, 32, 18, 32, 0)                    \
+    X(q2_k, Q2_K, 256, 84, 16, 1) X(q3_k, Q3_K, 256, 110, 16, 0) X(q4_k, Q4_K, 256, 144, 32, 1)                   \
+    X(q5_k, Q5_K, 256, 176, 32, 1) X(q6_k, Q6_K, 256, 210, 16, 0) X(iq4_xs, IQ4_XS, 256, 136, 32, 0)
 
 #define GG_MB 4                 /* rows of x per pass over a weight row */
 
@@ -51,91 +58,6 @@ static inline float gg_half(const uint8_t *p) {
 #endif
 }
 
-static void decode_q4_0(const uint8_t *b, float *o) {
-    const float d = gg_half(b);
-    for (int j = 0; j < 16; j++) {
-        o[j] = d * (float)((b[2 + j] & 0xf) - 8);
-        o[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
-    }
-}
-
-static void decode_q4_1(const uint8_t *b, float *o) {
-    const float d = gg_half(b), m = gg_half(b + 2);
-    for (int j = 0; j < 16; j++) {
-        o[j] = d * (float)(b[4 + j] & 0xf) + m;
-        o[j + 16] = d * (float)(b[4 + j] >> 4) + m;
-    }
-}
-
-static void decode_q5_0(const uint8_t *b, float *o) {
-    const float d = gg_half(b);
-    uint32_t qh;
-    memcpy(&qh, b + 2, 4);
-    for (int j = 0; j < 16; j++) {
-        o[j] = d * (float)((int)((b[6 + j] & 0xf) | (((qh >> j) & 1) << 4)) - 16);
-        o[j + 16] = d * (float)((int)((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
-    }
-}
-
-static void decode_q5_1(const uint8_t *b, float *o) {
-    const float d = gg_half(b), m = gg_half(b + 2);
-    uint32_t qh;
-    memcpy(&qh, b + 4, 4);
-    for (int j = 0; j < 16; j++) {
-        o[j] = d * (float)((b[8 + j] & 0xf) | (((qh >> j) & 1) << 4)) + m;
-        o[j + 16] = d * (float)((b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
-    }
-}
-
-static void decode_q8_0(const uint8_t *b, float *o) {
-    const float d = gg_half(b);
-    for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)b[2 + j] * d;
-}
-
-static void decode_iq4_nl(const uint8_t *b, float *o) {
-    const float d = gg_half(b);
-    for (int j = 0; j < 16; j++) {
-        o[j] = d * (float)kvalues[b[2 + j] & 0xf];
-        o[j + 16] = d * (float)kvalues[b[2 + j] >> 4];
-    }
-}
-
-/* scales[16] qs[64] d dmin: 16 groups of 16, w = d*(sc & 15) * q - dmin*(sc >> 4) */
-static void decode_q2_k(const uint8_t *b, float *o) {
-    const uint8_t *sc = b, *qs = b + 16;
-    const float d = gg_half(b + 80), dmin = gg_half(b + 82);
-    float dl[16], ml[16];
-    for (int i = 0; i < 16; i++) {
-        dl[i] = d * (float)(sc[i] & 0xf);
-        ml[i] = dmin * (float)(sc[i] >> 4);
-    }
-    for (int h = 0; h < 2; h++)
-        for (int s = 0; s < 4; s++)
-            for (int l = 0; l < 32; l++) {
-                const int e = h * 128 + s * 32 + l;
-                o[e] = dl[e / 16] * (float)((qs[h * 32 + l] >> (2 * s)) & 3) - ml[e / 16];
-            }
-}
-
-/* hmask[32] qs[64] scales[12] d: 16 groups of 16, 6-bit signed scales, q in -4..3 */
-static void decode_q3_k(const uint8_t *b, float *o) {
-    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
-    const float d = gg_half(b + 108);
-    float dl[16];
-    for (int i = 0; i < 16; i++) {
-        const int lo = i < 8 ? sc[i] & 0xf : sc[i - 8] >> 4;
-        const int hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
-        dl[i] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
-    }
-    for (int h = 0; h < 2; h++)
-        for (int s = 0; s < 4; s++)
-            for (int l = 0; l < 32; l++) {
-                const int e = h * 128 + s * 32 + l;
-                const int q = ((qs[h * 32 + l] >> (2 * s)) & 3) - (((hm[l] >> (e / 32)) & 1) ? 0 : 4);
-                o[e] = dl[e / 16] * (float)q;
-            }
-}
-
 /* the 8 six-bit scales and mins of a Q4_K / Q5_K block's 12 bytes */
 static void scale_min_k4(const uint8_t *s, float d, float dmin, float *dsc, float *dm) {
     for (int j = 0; j < 8; j++) {
@@ -143,64 +65,6 @@ static void scale_min_k4(const uint8_t *s, float d, float dmin, float *dsc, floa
         const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
         dsc[j] = d * (float)sc;
         dm[j] = dmin * (float)mn;
-    }
-}
-
-/* d dmin scales[12] qs[128]: 8 groups of 32, w = d*sc * q - dmin*m */
-static void decode_q4_k(const uint8_t *b, float *o) {
-    float dsc[8], dm[8];
-    scale_min_k4(b + 4, gg_half(b), gg_half(b + 2), dsc, dm);
-    const uint8_t *qs = b + 16;
-    for (int c = 0; c < 4; c++)
-        for (int s = 0; s < 2; s++)
-            for (int l = 0; l < 32; l++) {
-                const int g = c * 2 + s;
-                o[g * 32 + l] = dsc[g] * (float)((qs[c * 32 + l] >> (4 * s)) & 0xf) - dm[g];
-            }
-}
-
-/* d dmin scales[12] qh[32] qs[128]: as Q4_K with a fifth bit per weight */
-static void decode_q5_k(const uint8_t *b, float *o) {
-    float dsc[8], dm[8];
-    scale_min_k4(b + 4, gg_half(b), gg_half(b + 2), dsc, dm);
-    const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int c = 0; c < 4; c++)
-        for (int s = 0; s < 2; s++)
-            for (int l = 0; l < 32; l++) {
-                const int g = c * 2 + s;
-                const int q = ((qs[c * 32 + l] >> (4 * s)) & 0xf) | (((qh[l] >> g) & 1) << 4);
-                o[g * 32 + l] = dsc[g] * (float)q - dm[g];
-            }
-}
-
-/* ql[128] qh[64] scales[16] (int8) d: 16 groups of 16, q in -32..31 */
-static void decode_q6_k(const uint8_t *b, float *o) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = gg_half(b + 208);
-    float dl[16];
-    for (int i = 0; i < 16; i++) dl[i] = d * (float)sc[i];
-    for (int h = 0; h < 2; h++)
-        for (int s = 0; s < 4; s++)
-            for (int l = 0; l < 32; l++) {
-                const int e = h * 128 + s * 32 + l;
-                const int lo = (ql[h * 64 + (s & 1) * 32 + l] >> (4 * (s >> 1))) & 0xf;
-                const int hi = (qh[h * 32 + l] >> (2 * s)) & 3;
-                o[e] = dl[e / 16] * (float)((lo | (hi << 4)) - 32);
-            }
-}
-
-/* d scales_h(u16) scales_l[4] qs[128]: 8 groups of 32, 6-bit signed scales, IQ4_NL's values */
-static void decode_iq4_xs(const uint8_t *b, float *o) {
-    const float d = gg_half(b);
-    const uint16_t sh = (uint16_t)(b[2] | (b[3] << 8));
-    const uint8_t *sl = b + 4, *qs = b + 8;
-    for (int g = 0; g < 8; g++) {
-        const int s = ((sl[g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4);
-        const float dl = d * (float)((int8_t)s - 32);
-        for (int half = 0; half < 2; half++)
-            for (int l = 0; l < 16; l++)
-                o[g * 32 + half * 16 + l] = dl * (float)kvalues[(qs[g * 16 + l] >> (4 * half)) & 0xf];
     }
 }
 
@@ -378,7 +242,7 @@ static inline vf codes(const int8_t *p) {
  * m[g] * xs[g] (xs: x summed over the group, once per row; one fused product-sum, so the
  * bits are the same whatever the build's contraction flags). One function per format, its
  * unpacking inlined. One fixed sequence per output, whatever mb or the thread. */
-#define GG_DOT(NAME, BS, BYTES, G, OFFSETS)                                                                      \
+#define GG_DOT(NAME, TYPE, BS, BYTES, G, OFFSETS)                                                                    \
 static void gg_dot_##NAME(const uint8_t *wr, int K, const float *x, int64_t ldx, const float *xs, int64_t ldxs,  \
                           int m0, int mb, float *y, int64_t ldy, int n) {                                        \
     int8_t q[BS] __attribute__((aligned(64)));                                                                   \
@@ -407,18 +271,26 @@ static void gg_dot_##NAME(const uint8_t *wr, int K, const float *x, int64_t ldx,
     }                                                                                                            \
     for (int m = 0; m < mb; m++) y[(int64_t)(m0 + m) * ldy + n] = vf_sum(vf_add(acc[m][0], acc[m][1])) + off[m]; \
 }
-GG_DOT(q4_0, 32, 18, 32, 0)
-GG_DOT(q4_1, 32, 20, 32, 1)
-GG_DOT(q5_0, 32, 22, 32, 0)
-GG_DOT(q5_1, 32, 24, 32, 1)
-GG_DOT(q8_0, 32, 34, 32, 0)
-GG_DOT(iq4_nl, 32, 18, 32, 0)
-GG_DOT(q2_k, 256, 84, 16, 1)
-GG_DOT(q3_k, 256, 110, 16, 0)
-GG_DOT(q4_k, 256, 144, 32, 1)
-GG_DOT(q5_k, 256, 176, 32, 1)
-GG_DOT(q6_k, 256, 210, 16, 0)
-GG_DOT(iq4_xs, 256, 136, 32, 0)
+
+/* gg_decode_<format>: one block to its bs float32 weights, d[g] * q + m[g] with the product
+ * and the sum each rounded (no fused multiply-add), which is how ggml and gguf-py compute
+ * them: the file's own weights to the bit. */
+#define GG_DECODE(NAME, TYPE, BS, BYTES, G, OFFSETS)                                                                    \
+static void gg_decode_##NAME(const uint8_t *b, float *o) {                                                   \
+    int8_t q[BS] __attribute__((aligned(64)));                                                               \
+    float d[(BS) / (G)], m[(BS) / (G)];                                                                      \
+    unpack_##NAME(b, q, d, m);                                                                               \
+    for (int g = 0; g < (BS) / (G); g++) {                                                                   \
+        const vf dg = vf_set1(d[g]);                                                                         \
+        for (int c = 0; c < (G) / VL; c++) {                                                                 \
+            vf w = vf_mul(codes(q + g * (G) + c * VL), dg);                                                 \
+            if (OFFSETS) w = vf_add(w, vf_set1(m[g]));                                                       \
+            vf_store(o + g * (G) + c * VL, w);                                                               \
+        }                                                                                                    \
+    }                                                                                                        \
+}
+GG_FORMATS(GG_DOT)
+GG_FORMATS(GG_DECODE)
 
 typedef struct {
     decode_fn decode;
@@ -428,21 +300,8 @@ typedef struct {
 
 /* a type's format; 0 for a type this file does not read */
 static int gg_format(int type, Format *f) {
-#define GG_ROW(NAME, BS, BYTES, G, OFFSETS) {decode_##NAME, gg_dot_##NAME, BS, BYTES, G, OFFSETS}
-    static const Format table[] = {
-        [Q4_0] = GG_ROW(q4_0, 32, 18, 32, 0),
-        [Q4_1] = GG_ROW(q4_1, 32, 20, 32, 1),
-        [Q5_0] = GG_ROW(q5_0, 32, 22, 32, 0),
-        [Q5_1] = GG_ROW(q5_1, 32, 24, 32, 1),
-        [Q8_0] = GG_ROW(q8_0, 32, 34, 32, 0),
-        [Q2_K] = GG_ROW(q2_k, 256, 84, 16, 1),
-        [Q3_K] = GG_ROW(q3_k, 256, 110, 16, 0),
-        [Q4_K] = GG_ROW(q4_k, 256, 144, 32, 1),
-        [Q5_K] = GG_ROW(q5_k, 256, 176, 32, 1),
-        [Q6_K] = GG_ROW(q6_k, 256, 210, 16, 0),
-        [IQ4_NL] = GG_ROW(iq4_nl, 32, 18, 32, 0),
-        [IQ4_XS] = GG_ROW(iq4_xs, 256, 136, 32, 0),
-    };
+#define GG_ROW(NAME, TYPE, BS, BYTES, G, OFFSETS) [TYPE] = {gg_decode_##NAME, gg_dot_##NAME, BS, BYTES, G, OFFSETS},
+    static const Format table[] = {GG_FORMATS(GG_ROW)};
 #undef GG_ROW
     if (type < 0 || type >= (int)(sizeof table / sizeof table[0]) || !table[type].decode) return 0;
     *f = table[type];

@@ -29,12 +29,33 @@ from .resident import ResidentTarget
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
 
+def architecture(fields) -> str:
+    return bytes(fields["general.architecture"].parts[-1]).decode()
+
+
+def gguf_why_not(gguf: Path) -> str:
+    """'' where this GGUF file runs from its blocks here, else why not (its architecture, a
+    block format without a kernel, no kernel on this CPU)."""
+    why = gguf_kernel.why_not()
+    if why:
+        return f"no GGUF kernel here ({why})"
+    fields, tensors = read(gguf)
+    arch = architecture(fields)
+    if arch not in ARCHITECTURES:
+        return f"the {arch} architecture does not run from its blocks yet"
+    odd = sorted({t.kind for t in tensors.values() if len(t.shape) == 2 and t.kind != "F32"
+                  and t.kind not in gguf_kernel.TYPES})
+    if odd:
+        return f"no kernel for its {', '.join(odd)} blocks yet"
+    return ""
+
+
 class GGUFTarget(ResidentTarget):
     """ResidentTarget's interface over a QuantizedForward whose matrices are GGUFWeight."""
 
     def __init__(self, gguf: Path, config_dir: Path, cache_capacity: int = 1024):
         fields, tensors = read(gguf)
-        arch = bytes(fields["general.architecture"].parts[-1]).decode()
+        arch = architecture(fields)
         if arch not in ARCHITECTURES:
             raise UnsupportedModel(f"{gguf}: the {arch} architecture does not run from its blocks yet")
         why = gguf_kernel.why_not()

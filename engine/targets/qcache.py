@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
-from ..checkpoint import weight_files
+from ..checkpoint import gguf_source, weight_files
 
 VERSION = 1          # bump when the quantization arithmetic or the file layout changes
 MANIFEST = "manifest.json"
@@ -36,7 +36,8 @@ def source_identity(path: Path) -> str:
     GGUF import does: hashing the contents would read the whole model on every start."""
     h = hashlib.sha256()
     h.update((path / "config.json").read_bytes())
-    for f in weight_files(path):
+    gguf = gguf_source(path)                  # a GGUF import: the file it was made from
+    for f in [gguf] if gguf is not None else weight_files(path):
         st = f.stat()
         h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     return h.hexdigest()

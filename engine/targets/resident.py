@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..cache import KVCache, RecurrentCache
-from ..checkpoint import check_finite
+from ..checkpoint import check_finite, import_weights
 from ..errors import CheckpointError, UnsupportedModel
 from ..models import hf_forward, llama_family
 
@@ -106,6 +106,7 @@ def load_resident(path: Path, device: torch.device, dtype: torch.dtype, fast: bo
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    import_weights(path)                  # a GGUF model's float32 copy, on first need
     if progress is not None:
         read_ahead(path, progress)
     try:
