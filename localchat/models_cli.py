@@ -128,6 +128,27 @@ def _profile_here(ckpt: Path | None, hw, bw) -> str:
     return plan.chosen or "does not fit"
 
 
+def _format(ckpt: Path | None) -> str:
+    """How a model's weights are stored: a GGUF file's block formats (the most used first),
+    or the dtype of a safetensors checkpoint."""
+    if ckpt is None:
+        return "–"
+    from collections import Counter
+
+    from engine import checkpoint
+    gguf = checkpoint.gguf_source(ckpt)
+    try:
+        if gguf is not None:
+            from engine.gguf_file import read
+            _, tensors = read(gguf)
+            kinds = Counter(t.kind for t in tensors.values() if len(t.shape) >= 2)
+            return "GGUF " + "+".join(k for k, _ in kinds.most_common(2))
+        from engine.targets.resident import checkpoint_dtype
+        return str(checkpoint_dtype(ckpt)).removeprefix("torch.")
+    except (OSError, ValueError) as exc:
+        return f"unreadable ({str(exc).splitlines()[0][:30]})"
+
+
 def list_models(models: list[Model], as_json: bool = False) -> int:
     from engine import bandwidth, caches, checkpoint, hardware
     if as_json:
@@ -136,7 +157,7 @@ def list_models(models: list[Model], as_json: bool = False) -> int:
         bw = bandwidth.rates(bandwidth.measured(checkpoint.default_cache_dir(), hardware.pick_device(hw.device)))
         print(json.dumps([{"name": m.name, "where": m.where, "folder": str(m.folder), "bytes": m.size,
                            "derived": {str(p): caches.disk_bytes(p) for p in m.derived},
-                           "derived_bytes": m.derived_size, "last_used": m.last_used,
+                           "derived_bytes": m.derived_size, "last_used": m.last_used, "format": _format(m.checkpoint),
                            "profile": _profile_here(m.checkpoint, hw, bw)} for m in models], indent=1))
         return EXIT_OK
     if not models:
@@ -146,11 +167,11 @@ def list_models(models: list[Model], as_json: bool = False) -> int:
     hw = hardware.detect(checkpoint.default_cache_dir())
     bw = bandwidth.rates(bandwidth.measured(checkpoint.default_cache_dir(), hardware.pick_device(hw.device)))
     width = max(24, *(len(m.name) for m in models))
-    print(f"{'model':{width}}  {'where':12}  {'size':>8}  {'derived':>8}  {'last used':16}  profile here")
+    print(f"{'model':{width}}  {'where':12}  {'format':14}  {'size':>8}  {'derived':>8}  {'last used':16}  profile here")
     for m in models:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)) if m.last_used else "–"
-        print(f"{m.name:{width}}  {m.where:12}  {human_bytes(m.size):>8}  {human_bytes(m.derived_size):>8}  "
-              f"{used:16}  {_profile_here(m.checkpoint, hw, bw)}")
+        print(f"{m.name:{width}}  {m.where:12}  {_format(m.checkpoint):14}  {human_bytes(m.size):>8}  "
+              f"{human_bytes(m.derived_size):>8}  {used:16}  {_profile_here(m.checkpoint, hw, bw)}")
     kernels = checkpoint.default_cache_dir() / "kernels"
     total = sum(m.size + m.derived_size for m in models if m.where != "local folder")
     print(f"\n{len(models)} models; {human_bytes(total)} in the caches, and {human_bytes(caches.disk_bytes(kernels))} of "

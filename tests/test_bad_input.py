@@ -401,15 +401,37 @@ def test_weights_truncated_mid_answer_end_it_with_one_line_and_keep_it(tiny_llam
 
 
 def test_a_gguf_with_nan_weights_is_refused_at_import_and_nothing_is_kept(tiny_llama, tmp_path):
-    """A GGUF whose tensors hold NaN is refused while it is imported, naming the GGUF file
-    and the tensor, and no half import is left in the cache for the next start."""
+    """A GGUF whose tensors hold NaN is refused while it loads, naming the GGUF file and the
+    tensor (the file's own name for it), and no float copy is left in the cache; so is one
+    whose quantized blocks have a NaN scale."""
     import engine
     from gguf_writer import write_gguf
     src = _copy(tiny_llama, tmp_path / "src")
     _rewrite_weights(src, lambda t: t["model.layers.0.self_attn.o_proj.weight"].view(-1).__setitem__(3, float("nan")))
     path = write_gguf(src, tmp_path / "poisoned.gguf")
     cache = tmp_path / "cache"
-    with pytest.raises(engine.CheckpointError, match=r"poisoned.gguf: tensor model.layers.0.self_attn.o_proj.weight "
+    with pytest.raises(engine.CheckpointError, match=r"poisoned.gguf: tensor blk.0.attn_output.weight "
                                                      r"holds 1 non-finite values"):
         engine.open(str(path), drafter="none", cache_dir=cache)
     assert not list(cache.rglob("*.safetensors"))
+    with pytest.raises(engine.CheckpointError, match=r"poisoned.gguf: tensor model.layers.0.self_attn.o_proj.weight "
+                                                     r"holds 1 non-finite values"):
+        engine.open(str(path), drafter="none", cache_dir=cache, profile="resident-exact")     # its float copy
+    assert not list(cache.rglob("*.safetensors"))
+
+
+def test_a_gguf_block_with_a_nan_scale_is_refused(tmp_path):
+    import engine
+    from engine import checkpoint
+    from gguf import GGUFReader
+    demo = checkpoint.demo_gguf_path()
+    t = next(t for t in GGUFReader(str(demo)).tensors if t.name == "blk.3.ffn_down.weight")
+    assert t.tensor_type.name == "Q4_1"                                 # 20-byte blocks, the scale first
+    data = bytearray(demo.read_bytes())
+    at = int(t.data_offset) + 20 * 7
+    data[at:at + 2] = b"\x00\x7e"                                       # block 7's scale: a NaN half
+    bad = tmp_path / "nan-scale.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(engine.CheckpointError, match=r"nan-scale.gguf: tensor blk.3.ffn_down.weight holds 1 "
+                                                     r"non-finite scales"):
+        engine.open(str(bad), drafter="none", cache_dir=tmp_path / "cache")

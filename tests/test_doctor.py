@@ -194,3 +194,15 @@ def test_doctor_says_what_an_answer_samples_with_and_why(tmp_path, tiny_llama):
     assert out["sampling"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 5,
                                "model_recommends": {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
                                                     "source": "the model's generation_config.json"}}
+
+
+@pytest.mark.demo
+def test_doctor_plans_a_gguf_model_by_its_files_bytes_and_formats(tmp_path):
+    from engine import checkpoint
+    demo = checkpoint.demo_gguf_path()
+    proc = run_doctor("--model", str(demo), env={"LOCALCHAT_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout.decode()
+    assert "matrices in Q4_1 (210), Q8_0 (1); its blocks run as stored (resident-gguf)" in text
+    assert "→ resident-gguf" in text and "the file's own blocks fit" in text
+    assert not list(tmp_path.glob("imports/*/*.safetensors"))        # planned without a float copy

@@ -72,7 +72,7 @@ def test_list_names_each_model_with_its_size_and_caches_as_du_counts_them(setup)
     [quantized, kept] = m["derived"]
     assert "int4" in quantized and "/resume/" in kept
     assert m["derived_bytes"] == _du(Path(quantized)) + _du(Path(kept)) > _du(Path(quantized))
-    assert m["profile"] == "resident-exact"
+    assert m["profile"] == "resident-exact" and m["format"] == "float32"
     table = _cli(env)
     assert table.returncode == 0 and "someone/tiny" in table.stdout and "hf cache" in table.stdout
 
@@ -102,3 +102,16 @@ def test_pull_offline_is_one_line(setup):
     got = _cli(env, "pull", "someone/not-here")
     assert got.returncode == 2 and len(got.stderr.strip().splitlines()) == 1 and "someone/not-here" in got.stderr
     assert "Traceback" not in got.stderr
+
+
+@pytest.mark.demo
+def test_a_gguf_import_lists_its_block_formats_and_runs_as_stored(tmp_path):
+    from engine import checkpoint
+    cache = tmp_path / "cache"
+    checkpoint.import_gguf(checkpoint.demo_gguf_path(), cache)
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), LOCALCHAT_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1",
+               LOCALCHAT_CONFIG_DIR=str(tmp_path / "config"), LOCALCHAT_DATA_DIR=str(tmp_path / "data"))
+    got = _cli(env, "--json")
+    assert got.returncode == 0, got.stderr
+    [m] = [m for m in json.loads(got.stdout) if m["where"] == "gguf import"]
+    assert m["format"] == "GGUF Q4_1+Q8_0" and m["profile"] == "resident-gguf"

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UnsupportedModel
+from .. import checkpoint as _checkpoint
+from ..errors import BadWeights, UnsupportedModel
 from ..gguf_file import GGUFWeight, hf_rows, read
 from ..kernels import gguf_kernel
 from ..models import llama_family
@@ -110,7 +111,31 @@ class GGUFTarget(ResidentTarget):
         self.kind = "gguf"
         self.fallback_reason = None
         self.formats = Counter(t.kind for t in tensors.values() if len(t.shape) == 2)
+        check_finite(gguf, tensors)
         self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
+
+
+# Where each block format keeps its half-float scales (bytes into a block)
+_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
+           "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+
+
+def check_finite(gguf: Path, tensors) -> None:
+    """Refuse a file whose weights hold NaN or inf (a damaged download, a bad conversion):
+    float tensors element by element, block formats by their half-float scales (a block's
+    weights are finite codes times them). Reads each scale once, as a first pass would."""
+    for t in tensors.values():
+        if t.kind == "F32":
+            _checkpoint.check_finite([(t.name, t.data)], gguf)
+            continue
+        _, nbytes = gguf_kernel.block(t.kind)
+        blocks = t.data.reshape(-1, nbytes)
+        for at in _HALVES[t.kind]:
+            half = blocks[:, at].to(torch.int32) | (blocks[:, at + 1].to(torch.int32) << 8)
+            bad = int(((half & 0x7C00) == 0x7C00).sum())
+            if bad:
+                raise BadWeights(f"{gguf}: tensor {t.name} holds {bad:,} non-finite scales (NaN or inf) in its "
+                                 f"{t.kind} blocks; the weights are damaged: re-download or re-convert the model")
 
 
 def load_gguf(gguf: Path, config_dir: Path, cache_capacity: int = 1024) -> GGUFTarget:
