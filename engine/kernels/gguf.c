@@ -238,7 +238,8 @@ static inline vf codes(const int8_t *p) {
 
 /* gg_dot_<format>: y[m0 + m, n] for m < mb, weight row n (K weights at wr) against x rows
  * m0.. For each group of G weights, p = sum x * q in VL lanes (a fixed chain), then acc +=
- * d[g] * p (two accumulators, by the group's parity) and, for formats with offsets, off +=
+ * d[g] * p (the accumulators stay in registers: no index the compiler cannot resolve) and,
+ * for formats with offsets, off +=
  * m[g] * xs[g] (xs: x summed over the group, once per row; one fused product-sum, so the
  * bits are the same whatever the build's contraction flags). One function per format, its
  * unpacking inlined. One fixed sequence per output, whatever mb or the thread. */
@@ -247,16 +248,16 @@ static void gg_dot_##NAME(const uint8_t *wr, int K, const float *x, int64_t ldx,
                           int m0, int mb, float *y, int64_t ldy, int n) {                                        \
     int8_t q[BS] __attribute__((aligned(64)));                                                                   \
     float d[(BS) / (G)], off_g[(BS) / (G)];                                                                      \
-    vf acc[GG_MB][2];                                                                                            \
+    vf acc[GG_MB];                                                                                               \
     float off[GG_MB];                                                                                            \
     for (int m = 0; m < GG_MB; m++) {                                                                            \
-        acc[m][0] = acc[m][1] = vf_zero();                                                                       \
+        acc[m] = vf_zero();                                                                                      \
         off[m] = 0.f;                                                                                            \
     }                                                                                                            \
     for (int k0 = 0; k0 < K; k0 += (BS), wr += (BYTES)) {                                                        \
         unpack_##NAME(wr, q, d, off_g);                                                                          \
         for (int g = 0; g < (BS) / (G); g++) {                                                                   \
-            const int at = k0 + g * (G), par = (at / (G)) & 1;                                                   \
+            const int at = k0 + g * (G);                                                                         \
             vf w[(G) / VL];                                                                                      \
             for (int c = 0; c < (G) / VL; c++) w[c] = codes(q + g * (G) + c * VL);                              \
             const vf dg = vf_set1(d[g]);                                                                         \
@@ -264,12 +265,12 @@ static void gg_dot_##NAME(const uint8_t *wr, int K, const float *x, int64_t ldx,
                 const float *xr = x + (int64_t)(m0 + m) * ldx + at;                                              \
                 vf p = vf_mul(vf_load(xr), w[0]);                                                                \
                 for (int c = 1; c < (G) / VL; c++) p = vf_fmadd(vf_load(xr + c * VL), w[c], p);                 \
-                acc[m][par] = vf_fmadd(dg, p, acc[m][par]);                                                      \
+                acc[m] = vf_fmadd(dg, p, acc[m]);                                                                \
                 if (OFFSETS) off[m] = fmaf(off_g[g], xs[(int64_t)(m0 + m) * ldxs + at / (G)], off[m]);           \
             }                                                                                                    \
         }                                                                                                        \
     }                                                                                                            \
-    for (int m = 0; m < mb; m++) y[(int64_t)(m0 + m) * ldy + n] = vf_sum(vf_add(acc[m][0], acc[m][1])) + off[m]; \
+    for (int m = 0; m < mb; m++) y[(int64_t)(m0 + m) * ldy + n] = vf_sum(acc[m]) + off[m];                      \
 }
 
 /* gg_decode_<format>: one block to its bs float32 weights, d[g] * q + m[g] with the product
