@@ -101,44 +101,50 @@ static inline __m256i fifth_bits(const uint8_t *p) {
     return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
-static inline __attribute__((always_inline)) void unpack_q4_0(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q4_0(const uint8_t *b, int8_t *q, float *d, float *m) {
     (void)m;
     d[0] = gg_half(b);
     put32(q, _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8)));
+    return q;
 }
 
-static inline __attribute__((always_inline)) void unpack_q4_1(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q4_1(const uint8_t *b, int8_t *q, float *d, float *m) {
     d[0] = gg_half(b);
     m[0] = gg_half(b + 2);
     put32(q, nibbles(b + 4));
+    return q;
 }
 
-static inline __attribute__((always_inline)) void unpack_q5_0(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q5_0(const uint8_t *b, int8_t *q, float *d, float *m) {
     (void)m;
     d[0] = gg_half(b);
     put32(q, _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), fifth_bits(b + 2)), _mm256_set1_epi8(16)));
+    return q;
 }
 
-static inline __attribute__((always_inline)) void unpack_q5_1(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q5_1(const uint8_t *b, int8_t *q, float *d, float *m) {
     d[0] = gg_half(b);
     m[0] = gg_half(b + 2);
     put32(q, _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4)));
+    return q;
 }
 
-static inline __attribute__((always_inline)) void unpack_q8_0(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q8_0(const uint8_t *b, int8_t *q, float *d, float *m) {
     (void)m;
+    (void)q;
     d[0] = gg_half(b);
-    put32(q, ld32(b + 2));
+    return (const int8_t *)(b + 2);             /* the codes as stored */
 }
 
-static inline __attribute__((always_inline)) void unpack_iq4_nl(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_iq4_nl(const uint8_t *b, int8_t *q, float *d, float *m) {
     (void)m;
     d[0] = gg_half(b);
     put32(q, iq4_values(b + 2));
+    return q;
 }
 
 /* scales[16] qs[64] d dmin: 16 groups of 16, q in 0..3 */
-static inline __attribute__((always_inline)) void unpack_q2_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q2_k(const uint8_t *b, int8_t *q, float *d, float *m) {
     const uint8_t *sc = b, *qs = b + 16;
     const float dd = gg_half(b + 80), dmin = gg_half(b + 82);
     for (int i = 0; i < 16; i++) {
@@ -149,10 +155,11 @@ static inline __attribute__((always_inline)) void unpack_q2_k(const uint8_t *b, 
         const __m256i v = ld32(qs + h * 32);
         for (int s = 0; s < 4; s++) put32(q + h * 128 + s * 32, low_bits(v, 2 * s, 3));
     }
+    return q;
 }
 
 /* hmask[32] qs[64] scales[12] d: 16 groups of 16, q in -4..3 (4 less where hmask's bit is clear) */
-static inline __attribute__((always_inline)) void unpack_q3_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q3_k(const uint8_t *b, int8_t *q, float *d, float *m) {
     (void)m;
     const uint8_t *qs = b + 32, *sc = b + 96;
     const float dd = gg_half(b + 108);
@@ -169,10 +176,11 @@ static inline __attribute__((always_inline)) void unpack_q3_k(const uint8_t *b, 
             put32(q + h * 128 + s * 32, _mm256_sub_epi8(_mm256_add_epi8(low_bits(v, 2 * s, 3), high), four));
         }
     }
+    return q;
 }
 
 /* d dmin scales[12] qs[128]: 8 groups of 32, q in 0..15 */
-static inline __attribute__((always_inline)) void unpack_q4_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q4_k(const uint8_t *b, int8_t *q, float *d, float *m) {
     scale_min_k4(b + 4, gg_half(b), gg_half(b + 2), d, m);
     for (int g = 0; g < 8; g++) m[g] = -m[g];
     for (int c = 0; c < 4; c++) {
@@ -180,10 +188,11 @@ static inline __attribute__((always_inline)) void unpack_q4_k(const uint8_t *b, 
         put32(q + c * 64, low_bits(v, 0, 0xf));
         put32(q + c * 64 + 32, low_bits(v, 4, 0xf));
     }
+    return q;
 }
 
 /* d dmin scales[12] qh[32] qs[128]: as Q4_K with a fifth bit per weight, q in 0..31 */
-static inline __attribute__((always_inline)) void unpack_q5_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q5_k(const uint8_t *b, int8_t *q, float *d, float *m) {
     scale_min_k4(b + 4, gg_half(b), gg_half(b + 2), d, m);
     for (int g = 0; g < 8; g++) m[g] = -m[g];
     const __m256i qh = ld32(b + 16);
@@ -192,10 +201,11 @@ static inline __attribute__((always_inline)) void unpack_q5_k(const uint8_t *b, 
         put32(q + c * 64, _mm256_or_si256(low_bits(v, 0, 0xf), _mm256_slli_epi16(low_bits(qh, 2 * c, 1), 4)));
         put32(q + c * 64 + 32, _mm256_or_si256(low_bits(v, 4, 0xf), _mm256_slli_epi16(low_bits(qh, 2 * c + 1, 1), 4)));
     }
+    return q;
 }
 
 /* ql[128] qh[64] scales[16] (int8) d: 16 groups of 16, q in -32..31 */
-static inline __attribute__((always_inline)) void unpack_q6_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q6_k(const uint8_t *b, int8_t *q, float *d, float *m) {
     (void)m;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float dd = gg_half(b + 208);
@@ -209,10 +219,11 @@ static inline __attribute__((always_inline)) void unpack_q6_k(const uint8_t *b, 
             put32(q + h * 128 + s * 32, _mm256_sub_epi8(_mm256_or_si256(lo, hi), bias));
         }
     }
+    return q;
 }
 
 /* d scales_h(u16) scales_l[4] qs[128]: 8 groups of 32, 6-bit signed scales, IQ4_NL's values */
-static inline __attribute__((always_inline)) void unpack_iq4_xs(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_iq4_xs(const uint8_t *b, int8_t *q, float *d, float *m) {
     (void)m;
     const float dd = gg_half(b);
     const uint16_t sh = (uint16_t)(b[2] | (b[3] << 8));
@@ -221,58 +232,93 @@ static inline __attribute__((always_inline)) void unpack_iq4_xs(const uint8_t *b
         d[g] = dd * (float)((int8_t)s - 32);
         put32(q + g * 32, iq4_values(b + 8 + g * 16));
     }
+    return q;
 }
 
 typedef void (*decode_fn)(const uint8_t *, float *);
 typedef void (*dot_fn)(const uint8_t *, int, const float *, int64_t, const float *, int64_t, int, int, float *,
                        int64_t, int);
 
-/* VL int8 codes as float lanes */
+/* a fixed-order sum of 8 lanes (as the AVX2 build's vf_sum) */
+static inline float sum8(__m256 v) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
+}
+
+/* VL int8 codes as float lanes, widened by a load from memory: written as an instruction of
+ * its own because the compiler, seeing the codes just stored, moves them through registers
+ * instead, a dozen shuffles a block that cost more than the arithmetic */
 static inline vf codes(const int8_t *p) {
 #if LC_AVX512
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512i r;
+    __asm__("vpmovsxbd %1, %0" : "=v"(r) : "m"(*(const struct { int8_t b[16]; } *)p));
+    return _mm512_cvtepi32_ps(r);
 #else
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    __m256i r;
+    __asm__("vpmovsxbd %1, %0" : "=x"(r) : "m"(*(const struct { int8_t b[8]; } *)p));
+    return _mm256_cvtepi32_ps(r);
 #endif
 }
 
 /* gg_dot_<format>: y[m0 + m, n] for m < mb, weight row n (K weights at wr) against x rows
  * m0.. For each group of G weights, p = sum x * q in VL lanes (a fixed chain), then acc +=
- * d[g] * p (the accumulators stay in registers: no index the compiler cannot resolve) and,
- * for formats with offsets, off +=
- * m[g] * xs[g] (xs: x summed over the group, once per row; one fused product-sum, so the
- * bits are the same whatever the build's contraction flags). One function per format, its
- * unpacking inlined. One fixed sequence per output, whatever mb or the thread. */
+ * d[g] * p; for formats with offsets, the groups' m[g] * xs[g] (xs: x summed over the
+ * group, once per row) are summed apart: eight groups a fused vector product-sum where a
+ * block has eight or sixteen, else one fused scalar product-sum a group (fused, so no
+ * build's contraction flags change a bit). One body per row count (MROWS, a constant), so
+ * the accumulators stay in registers. One fixed sequence per output, whatever mb or the
+ * thread. */
 #define GG_DOT(NAME, TYPE, BS, BYTES, G, OFFSETS)                                                                    \
-static void gg_dot_##NAME(const uint8_t *wr, int K, const float *x, int64_t ldx, const float *xs, int64_t ldxs,  \
-                          int m0, int mb, float *y, int64_t ldy, int n) {                                        \
+static inline __attribute__((always_inline)) void gg_rows_##NAME(                                                \
+        const uint8_t *wr, int K, const float *x, int64_t ldx, const float *xs, int64_t ldxs, int m0, const int MROWS, \
+        float *y, int64_t ldy, int n) {                                                                          \
+    enum { NG = (BS) / (G), VEC_OFF = (OFFSETS) && NG % 8 == 0 };                                                \
     int8_t q[BS] __attribute__((aligned(64)));                                                                   \
-    float d[(BS) / (G)], off_g[(BS) / (G)];                                                                      \
+    float d[NG], off_g[NG];                                                                                      \
     vf acc[GG_MB];                                                                                               \
+    __m256 offv[GG_MB];                                                                                          \
     float off[GG_MB];                                                                                            \
-    for (int m = 0; m < GG_MB; m++) {                                                                            \
+    for (int m = 0; m < MROWS; m++) {                                                                               \
         acc[m] = vf_zero();                                                                                      \
+        offv[m] = _mm256_setzero_ps();                                                                           \
         off[m] = 0.f;                                                                                            \
     }                                                                                                            \
     for (int k0 = 0; k0 < K; k0 += (BS), wr += (BYTES)) {                                                        \
-        unpack_##NAME(wr, q, d, off_g);                                                                          \
-        for (int g = 0; g < (BS) / (G); g++) {                                                                   \
+        const int8_t *cq = unpack_##NAME(wr, q, d, off_g);                                                       \
+        for (int g = 0; g < NG; g++) {                                                                           \
             const int at = k0 + g * (G);                                                                         \
             vf w[(G) / VL];                                                                                      \
-            for (int c = 0; c < (G) / VL; c++) w[c] = codes(q + g * (G) + c * VL);                              \
+            for (int c = 0; c < (G) / VL; c++) w[c] = codes(cq + g * (G) + c * VL);                             \
             const vf dg = vf_set1(d[g]);                                                                         \
-            for (int m = 0; m < mb; m++) {                                                                       \
+            for (int m = 0; m < MROWS; m++) {                                                                       \
                 const float *xr = x + (int64_t)(m0 + m) * ldx + at;                                              \
                 vf p = vf_mul(vf_load(xr), w[0]);                                                                \
                 for (int c = 1; c < (G) / VL; c++) p = vf_fmadd(vf_load(xr + c * VL), w[c], p);                 \
                 acc[m] = vf_fmadd(dg, p, acc[m]);                                                                \
-                if (OFFSETS) off[m] = fmaf(off_g[g], xs[(int64_t)(m0 + m) * ldxs + at / (G)], off[m]);           \
+                if ((OFFSETS) && !VEC_OFF)                                                                       \
+                    off[m] = fmaf(off_g[g], xs[(int64_t)(m0 + m) * ldxs + at / (G)], off[m]);                   \
             }                                                                                                    \
         }                                                                                                        \
+        if (VEC_OFF)                                                                                             \
+            for (int m = 0; m < MROWS; m++)                                                                         \
+                for (int g = 0; g < NG; g += 8)                                                                  \
+                    offv[m] = _mm256_fmadd_ps(_mm256_loadu_ps(off_g + g),                                        \
+                                              _mm256_loadu_ps(xs + (int64_t)(m0 + m) * ldxs + k0 / (G) + g), offv[m]); \
     }                                                                                                            \
-    for (int m = 0; m < mb; m++) y[(int64_t)(m0 + m) * ldy + n] = vf_sum(acc[m]) + off[m];                      \
+    for (int m = 0; m < MROWS; m++)                                                                                 \
+        y[(int64_t)(m0 + m) * ldy + n] = vf_sum(acc[m]) + (VEC_OFF ? sum8(offv[m]) : off[m]);                   \
+}                                                                                                                \
+static void gg_dot_##NAME(const uint8_t *wr, int K, const float *x, int64_t ldx, const float *xs, int64_t ldxs,  \
+                          int m0, int mb, float *y, int64_t ldy, int n) {                                        \
+    switch (mb) {                                                                                                \
+    case 1: gg_rows_##NAME(wr, K, x, ldx, xs, ldxs, m0, 1, y, ldy, n); break;                                    \
+    case 2: gg_rows_##NAME(wr, K, x, ldx, xs, ldxs, m0, 2, y, ldy, n); break;                                    \
+    case 3: gg_rows_##NAME(wr, K, x, ldx, xs, ldxs, m0, 3, y, ldy, n); break;                                    \
+    default: gg_rows_##NAME(wr, K, x, ldx, xs, ldxs, m0, 4, y, ldy, n); break;                                   \
+    }                                                                                                            \
 }
-
 /* gg_decode_<format>: one block to its bs float32 weights, d[g] * q + m[g] with the product
  * and the sum each rounded (no fused multiply-add), which is how ggml and gguf-py compute
  * them: the file's own weights to the bit. */
@@ -280,11 +326,11 @@ static void gg_dot_##NAME(const uint8_t *wr, int K, const float *x, int64_t ldx,
 static void gg_decode_##NAME(const uint8_t *b, float *o) {                                                   \
     int8_t q[BS] __attribute__((aligned(64)));                                                               \
     float d[(BS) / (G)], m[(BS) / (G)];                                                                      \
-    unpack_##NAME(b, q, d, m);                                                                               \
+    const int8_t *cq = unpack_##NAME(b, q, d, m);                                                            \
     for (int g = 0; g < (BS) / (G); g++) {                                                                   \
         const vf dg = vf_set1(d[g]);                                                                         \
         for (int c = 0; c < (G) / VL; c++) {                                                                 \
-            vf w = vf_mul(codes(q + g * (G) + c * VL), dg);                                                 \
+            vf w = vf_mul(codes(cq + g * (G) + c * VL), dg);                                                 \
             if (OFFSETS) w = vf_add(w, vf_set1(m[g]));                                                       \
             vf_store(o + g * (G) + c * VL, w);                                                               \
         }                                                                                                    \
