@@ -368,19 +368,21 @@ def import_weights(path: Path) -> None:
         return
     if not gguf.is_file():
         raise ModelNotFound(f"{gguf}: the GGUF file {path} was imported from is gone; give the file again")
+    from safetensors import SafetensorError
     tmp = path / f".model.{os.getpid()}.{threading.get_ident()}.partial"
     try:
         _write_gguf_weights(gguf, tmp)
         os.replace(tmp, path / "model.safetensors")
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:     # safetensors reports a failed write as its own error
         raise CheckpointError(unwritable(path, exc, "the imported weights")) from None
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def unwritable(folder: Path, exc: OSError, what: str) -> str:
+def unwritable(folder: Path, exc: Exception, what: str) -> str:
     """One line for a cache folder that cannot be written, with the variable that moves it."""
-    why = exc.strerror or str(exc)
+    why = getattr(exc, "strerror", None) or str(exc)
+    why = why.split("I/O error: ")[-1].split(" (os error")[0]    # safetensors' "...I/O error: Denied (os error 13) at path ..."
     return (f"{folder}: cannot write {what} there ({why}); set LOCALCHAT_CACHE_DIR to a writable "
             "directory with room")
 

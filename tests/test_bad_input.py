@@ -246,7 +246,15 @@ def state_cases(tiny: Path) -> list[Case]:
     def read_only_cache_with_the_demo(home):
         from engine import checkpoint
         demo = checkpoint.resolve(None).path                   # the suite's own import of the demo GGUF
+        checkpoint.import_weights(demo)                        # complete: torch's kernels read its float32 copy
         shutil.copytree(demo, home / "rocache" / "imports" / demo.name)
+        for p in sorted((home / "rocache").rglob("*"), reverse=True) + [home / "rocache"]:
+            p.chmod(0o555 if p.is_dir() else 0o444)
+
+    def read_only_cache_with_the_demo_import(home):
+        from engine import checkpoint
+        demo = checkpoint.resolve(None).path                   # config and tokenizer, no float32 copy yet
+        shutil.copytree(demo, home / "rocache" / "imports" / demo.name, ignore=shutil.ignore_patterns("*.safetensors"))
         for p in sorted((home / "rocache").rglob("*"), reverse=True) + [home / "rocache"]:
             p.chmod(0o555 if p.is_dir() else 0o444)
 
@@ -276,6 +284,9 @@ def state_cases(tiny: Path) -> list[Case]:
         Case("cache-unwritable-kernels", ["--no-log", "-n", "3", "hi"], 0,
              ("rocache/kernels", "LOCALCHAT_CACHE_DIR", "torch's kernels"),
              env={"LOCALCHAT_CACHE_DIR": "{home}/rocache"}, prepare=read_only_cache_with_the_demo, no_dac=True),
+        Case("cache-unwritable-weights", ["--no-log", "-n", "3", "--profile", "resident-exact", "hi"], 2,
+             ("rocache/imports", "the imported weights", "LOCALCHAT_CACHE_DIR"),
+             env={"LOCALCHAT_CACHE_DIR": "{home}/rocache"}, prepare=read_only_cache_with_the_demo_import, no_dac=True),
         Case("data-unwritable", ["-n", "3", "hi"], 0, ("LOCALCHAT_DATA_DIR", "--no-log"),
              env={"LOCALCHAT_DATA_DIR": "{home}/rodata/sub"}, prepare=lambda home: (home / "rodata").mkdir(0o555),
              no_dac=True),

@@ -27,12 +27,16 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference(demo_engine):
     from transformers import AutoModelForCausalLM
+
+    from engine.checkpoint import import_weights
+    import_weights(demo_engine.checkpoint.path)     # the import's float32 copy, what transformers reads
     return AutoModelForCausalLM.from_pretrained(demo_engine.checkpoint.path, dtype=demo_engine.dtype).eval()
 
 
-def test_demo_runs_the_fast_forward_in_float32(demo_engine):
-    assert demo_engine.target.kind == "fast"
-    assert demo_engine.dtype == torch.float32       # a dequantized GGUF is exact in float32
+def test_demo_runs_its_gguf_blocks_in_float32(demo_engine):
+    assert demo_engine.plan.chosen == "resident-gguf"
+    assert demo_engine.target.kind == "gguf"        # the file's Q4_1 blocks, read by the layer kernel
+    assert demo_engine.dtype == torch.float32       # activations in float32, as a dequantized GGUF is exact
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
