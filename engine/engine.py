@@ -227,6 +227,9 @@ def _prefill_gemm(eng) -> str:
 
 
 def _weights_label(target) -> str:
+    formats = getattr(target, "formats", None)           # a GGUF file's blocks, as stored
+    if formats:
+        return "GGUF " + ", ".join(k for k, _ in formats.most_common())
     quant = getattr(target, "quant", None)
     if quant is None:
         return "exact"

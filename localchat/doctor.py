@@ -107,7 +107,7 @@ def doctor_main(argv: list[str]) -> int:
             bw.update(measure_bandwidth(checkpoint.default_cache_dir()))
         planned = args.context or min(4096, shape.max_positions or 4096)      # what engine.open plans for
         plan = planner.make_plan(shape, hw, profs, context=planned, drafter=draft, force=args.profile,
-                                 bandwidth=bw, runnable=engine.runnable(profs, shape),
+                                 bandwidth=bw, runnable=engine.runnable(profs, shape, _gguf_why(ckpt)),
                                  drafter_weights=dweights if draft else "exact",
                                  quant_act_bytes=torch.finfo(engine.quant_act_dtype(
                                      hardware.pick_device(hw.device))).bits // 8,
@@ -311,6 +311,14 @@ def _hw_dict(hw) -> dict:
 
 
 ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2"}
+
+
+def _gguf_why(ckpt) -> str:
+    """Why resident-gguf cannot run this model ('' where it can), as engine.open decides it."""
+    if ckpt is None or getattr(ckpt, "gguf", None) is None:
+        return "not a .gguf model"
+    from engine.targets.gguf_target import gguf_why_not
+    return gguf_why_not(ckpt.gguf)
 
 
 def _gguf_text(gguf) -> str:
