@@ -392,6 +392,7 @@ def _check_gguf_architecture(gguf: Path) -> None:
     reader would fail later on a missing key): the architecture named, what to use instead."""
     import transformers
     from gguf import GGUFReader
+    from transformers.integrations.gguf.gguf_config_mapping import GGUF_CONFIG_ARCHS
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     try:
         field = GGUFReader(str(gguf)).fields["general.architecture"]
@@ -399,7 +400,7 @@ def _check_gguf_architecture(gguf: Path) -> None:
     except Exception:  # noqa: BLE001 — a file that is not GGUF: the import below says so
         return
     names = {arch, arch.replace("-", "_"), arch.replace("moe", "_moe")}
-    if not names & set(GGUF_SUPPORTED_ARCHITECTURES):
+    if not names & (set(GGUF_SUPPORTED_ARCHITECTURES) | set(GGUF_CONFIG_ARCHS)):
         raise CheckpointError(f"{gguf}: transformers {transformers.__version__} cannot read GGUF files of the "
                               f"{arch} architecture; use the model's safetensors checkpoint (its hub repo id or "
                               "a local directory) instead")

@@ -202,9 +202,12 @@ void FN(hyb_gdn_out)(const HybridWeights *w, const HybridShape *s, ELEM *h, int 
     const int Hv = s->Hv, Dv = s->Dv;
     ELEM *o = mix;
     const ELEM *nw = (const ELEM *)w->norm;
+    const int per_key = Hv / s->Hk;
     for (int64_t row = 0; row < (int64_t)T * Hv; row++) {
         const ELEM *c = core + row * Dv, *zz = z + row * Dv;
-        ELEM *out = o + row * Dv;
+        int head = (int)(row % Hv);             /* grouped: key head head / per_key, its head % per_key-th */
+        int at = w->out_tiled ? (head % per_key) * s->Hk + head / per_key : head;
+        ELEM *out = o + (row - head + at) * Dv;
         float ss = 0.f;
         for (int d = 0; d < Dv; d++) { float v = LD(c[d]); ss += v * v; }
         float r = 1.f / sqrtf(ss / (float)Dv + s->eps);

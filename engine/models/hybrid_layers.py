@@ -43,6 +43,8 @@ def _matrix(m, dtype):
     if isinstance(m, nn.Linear):
         return m.weight if _plain(m.weight, dtype) else None
     w = getattr(m, "w", None)                  # targets/module_quant.PackedLinear
+    if getattr(w, "gguf_blocks", False):       # a GGUF file's blocks (targets/gguf_modules.py)
+        return w if dtype == torch.float32 else None
     if getattr(w, "canonical", False):
         return w if dtype == torch.bfloat16 else None
     if getattr(w, "own_kernel", False):
@@ -244,6 +246,11 @@ class HybridLayers:
             d.qkvz, d.ba, d.out = (mat(w) for w in ws)
         else:
             d.qkv, d.z, d.b, d.a, d.out = (mat(w) for w in ws)
+        tiled = getattr(mod.out_proj, "tiled", None)       # its input in a GGUF file's order of value heads
+        if tiled is not None:
+            if tiled != (self.shape["Hk"], self.shape["Hv"] // self.shape["Hk"], self.shape["Dv"]):
+                return None
+            d.out_tiled = 1
         d.norm, d.dt_bias = mod.norm.weight.data_ptr(), mod.dt_bias.data_ptr()
         a_neg = -mod.A_log.float().exp()
         d.a_neg = a_neg.data_ptr()
@@ -328,5 +335,5 @@ def install(fwd, dtype: torch.dtype) -> str:
         return f"the hybrid layers run transformers' modules ({why})"
     HybridLayers(fwd, layers, dtype)
     return (f"one-token steps and verify passes run the {len(layers)} hybrid layers in C (where their "
-            "weights are held as the kernels read them: dense, int8, bf16's int4; a prefill runs "
+            "weights are held as the kernels read them: dense, int8, bf16's int4, GGUF blocks; a prefill runs "
             "transformers' modules)")

@@ -29,7 +29,10 @@ def _packed_why(weights: list, dtype: torch.dtype) -> str:
     per-channel int8 that q8.c reads (scales in the activations' dtype), or int4 in q4.c's
     canonical form (bf16 activations only)."""
     for w in weights:
-        if getattr(w, "canonical", False):
+        if getattr(w, "gguf_blocks", False):          # a GGUF file's blocks (targets/gguf_modules.py)
+            if dtype != torch.float32:
+                return "GGUF experts with activations other than float32"
+        elif getattr(w, "canonical", False):
             if dtype != torch.bfloat16:
                 return "int4 experts with float32 activations"
         elif getattr(w, "own_kernel", False):

@@ -22,6 +22,7 @@ from ..errors import BadWeights, UnsupportedModel
 from ..gguf_file import GGUFWeight, hf_rows, read
 from ..kernels import gguf_kernel
 from ..models import llama_family
+from . import gguf_modules
 from .quantized import QuantizedForward, _skeleton
 from .resident import ResidentTarget
 
@@ -42,9 +43,9 @@ def gguf_why_not(gguf: Path) -> str:
         return f"no GGUF kernel here ({why})"
     fields, tensors = read(gguf)
     arch = architecture(fields)
-    if arch not in ARCHITECTURES:
+    if arch not in ARCHITECTURES and arch not in gguf_modules.ARCHITECTURES:
         return f"the {arch} architecture does not run from its blocks yet"
-    odd = sorted({t.kind for t in tensors.values() if len(t.shape) == 2 and t.kind != "F32"
+    odd = sorted({t.kind for t in tensors.values() if len(t.shape) >= 2 and t.kind != "F32"
                   and t.kind not in gguf_kernel.TYPES})
     if odd:
         return f"no kernel for its {', '.join(odd)} blocks yet"
@@ -57,11 +58,6 @@ class GGUFTarget(ResidentTarget):
     def __init__(self, gguf: Path, config_dir: Path, cache_capacity: int = 1024):
         fields, tensors = read(gguf)
         arch = architecture(fields)
-        if arch not in ARCHITECTURES:
-            raise UnsupportedModel(f"{gguf}: the {arch} architecture does not run from its blocks yet")
-        why = gguf_kernel.why_not()
-        if why:
-            raise UnsupportedModel(f"{gguf}: no GGUF kernel here ({why})")
         cfg, skeleton, _ = _skeleton(Path(config_dir))
         device = torch.device("cpu")
         self._setup(cfg, device, torch.float32, cache_capacity)
@@ -111,7 +107,6 @@ class GGUFTarget(ResidentTarget):
         self.kind = "gguf"
         self.fallback_reason = None
         self.formats = Counter(t.kind for t in tensors.values() if len(t.shape) == 2)
-        check_finite(gguf, tensors)
         self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
 
 
@@ -138,6 +133,16 @@ def check_finite(gguf: Path, tensors) -> None:
                                  f"{t.kind} blocks; the weights are damaged: re-download or re-convert the model")
 
 
-def load_gguf(gguf: Path, config_dir: Path, cache_capacity: int = 1024) -> GGUFTarget:
-    return GGUFTarget(Path(gguf), Path(config_dir), cache_capacity)
+def load_gguf(gguf: Path, config_dir: Path, cache_capacity: int = 1024) -> ResidentTarget:
+    """The target of a GGUF file run from its blocks: the Llama-family forward, or for a
+    hybrid (Qwen3.5) transformers' modules over the blocks (gguf_modules.py)."""
+    gguf = Path(gguf)
+    why = gguf_why_not(gguf)
+    if why:
+        raise UnsupportedModel(f"{gguf}: {why}")
+    fields, tensors = read(gguf)
+    check_finite(gguf, tensors)
+    if architecture(fields) in gguf_modules.ARCHITECTURES:
+        return gguf_modules.GGUFModulesTarget(gguf, Path(config_dir), cache_capacity)
+    return GGUFTarget(gguf, Path(config_dir), cache_capacity)
 

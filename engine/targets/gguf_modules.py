@@ -1,0 +1,189 @@
+"""A Qwen3.5 or Qwen3.5-MoE GGUF file run from its own blocks: transformers' modules
+(models/hf_forward.py, as module_quant.py runs a hybrid's packed weights: PackedLinear,
+PackedEmbedding, PackedExperts) with every matrix a GGUFWeight, read
+where it lies in the file's memory map, activations in float32. One-token steps and verify
+passes run the hybrid layers in C over the blocks (models/hybrid_layers.py), a prefill
+decodes each weight into a reused buffer for the GEMM.
+
+llama.cpp's converter changes a Qwen3.5 checkpoint in four ways (its conversion/qwen.py;
+transformers' integrations/gguf/gguf_conversion_mapping.py undoes the same), each undone
+here without decoding a block:
+- the zero-centred norms are stored as w + 1 (the gated delta-net's own norm is not);
+- `ssm_a` holds -exp(A_log);
+- the conv1d kernel is squeezed to [channels, width];
+- the value heads are stored tiled (value head i of every key head, then i + 1) where the
+  model groups them by key head. The matrices that produce a value axis (qkv's value rows,
+  z, a, b) and the per-head vectors have their rows put back in the model's order: rows of
+  blocks move whole. The one that consumes it, the out projection, would need its columns
+  moved across blocks: its input is put in the file's order instead (OutTiled), which the C
+  layer does by writing each head's normed output to its tiled place."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModel
+from ..gguf_file import GGUFWeight, read
+from ..kernels import gguf_kernel
+from ..models import hf_forward
+from . import module_quant
+from .quantized import _skeleton
+from .resident import ResidentTarget
+
+ARCHITECTURES = ("qwen35", "qwen35moe")
+
+
+def tiled_to_grouped(key_heads: int, per_key: int, head_dim: int = 1) -> torch.Tensor:
+    """The index that takes value-axis rows from the file's tiled order to the model's
+    grouped one: grouped[g] = tiled[index[g]]."""
+    grouped_of_tiled = torch.arange(key_heads * per_key * head_dim).view(key_heads, per_key, head_dim)
+    return grouped_of_tiled.transpose(0, 1).reshape(-1).argsort()
+
+
+class OutTiled(module_quant.PackedLinear):
+    """The delta-net out projection, its input columns in the file's tiled order of value
+    heads: the input is put in that order before the product. `tiled = (key heads, value
+    heads per key head, head size)` tells the C layer the same (hybrid_layers.py)."""
+
+    def __init__(self, weight: GGUFWeight, key_heads: int, per_key: int, head_dim: int):
+        super().__init__(weight, None)
+        self.tiled = (key_heads, per_key, head_dim)
+        self.register_buffer("order", tiled_to_grouped(key_heads, per_key, head_dim).argsort(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.order))
+
+
+class GGUFModulesTarget(ResidentTarget):
+    """ResidentTarget's interface over transformers' modules holding a GGUF file's blocks."""
+
+    def __init__(self, gguf: Path, config_dir: Path, cache_capacity: int = 1024):
+        _, tensors = read(gguf)
+        cfg, _, _ = _skeleton(Path(config_dir))
+        model = module_quant.skeleton(Path(config_dir), cfg)
+        _fill(model, cfg, tensors, gguf)
+        device = torch.device("cpu")
+        module_quant.finish(model, cfg, device)
+        self._setup(model.config, device, torch.float32, cache_capacity)
+        self.impl = hf_forward.HFForward(model, self.cache)
+        self.kind = "gguf"
+        self.fallback_reason = None
+        self.formats = Counter(t.kind for t in tensors.values() if len(t.shape) == 2)
+        self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
+
+
+def _fill(model: nn.Module, cfg, tensors: dict, gguf: Path) -> None:
+    """Every parameter of the meta `model` from the file's tensors, the converter's changes
+    undone (the module docstring)."""
+    text = getattr(cfg, "text_config", None) or cfg
+
+    def take(name: str):
+        t = tensors.get(name)
+        if t is None:
+            raise UnsupportedModel(f"{gguf}: tensor {name} is missing; the file is not a complete "
+                                   f"{model.config.model_type} model (re-download or re-convert it)")
+        return t
+
+    def matrix(name: str, rows: torch.Tensor | None = None):
+        """A GGUFWeight of the blocks, or where the file holds floats, the float32 tensor."""
+        t = take(name)
+        if t.kind == "F32":
+            dense = t.data.view(t.shape)
+            return (dense if rows is None else dense[rows]).contiguous()
+        if t.kind not in gguf_kernel.TYPES:
+            raise UnsupportedModel(f"{gguf}: no kernel for {name} ({t.kind}) yet")
+        return GGUFWeight.of(t, rows=[rows])
+
+    def linear(owner: nn.Module, leaf: str, name: str, rows: torch.Tensor | None = None) -> None:
+        w = matrix(name, rows)
+        setattr(owner, leaf, module_quant.PackedLinear(w, None) if isinstance(w, GGUFWeight) else _dense_linear(w))
+
+    def vector(name: str, rows: torch.Tensor | None = None, minus_one: bool = False) -> nn.Parameter:
+        v = take(name).data.view(take(name).shape).float()
+        v = v if rows is None else v[rows]
+        return nn.Parameter((v - 1.0 if minus_one else v).contiguous(), requires_grad=False)
+
+    Hk, Hv = text.linear_num_key_heads, text.linear_num_value_heads
+    Dk, Dv, r = text.linear_key_head_dim, text.linear_value_head_dim, Hv // Hk
+    per_value = tiled_to_grouped(Hk, r, Dv)
+    per_head = tiled_to_grouped(Hk, r)
+    qk_rows = 2 * Hk * Dk
+    qkv_rows = torch.cat([torch.arange(qk_rows), qk_rows + per_value])
+    for i, layer in enumerate(model.model.layers):
+        b = f"blk.{i}."
+        layer.input_layernorm.weight = vector(b + "attn_norm.weight", minus_one=True)
+        layer.post_attention_layernorm.weight = vector(b + "post_attention_norm.weight", minus_one=True)
+        mlp = layer.mlp
+        if hasattr(mlp, "gate_proj"):
+            for leaf, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                linear(mlp, leaf, b + name + ".weight")
+        else:                                              # a sparse block: router, experts, shared expert
+            mlp.gate.weight = nn.Parameter(take(b + "ffn_gate_inp.weight").dense().contiguous(), requires_grad=False)
+            mlp.experts = _experts(mlp.experts, *(take(b + f"ffn_{w}_exps.weight") for w in ("gate", "up", "down")),
+                                   gguf)
+            for leaf, name in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"),
+                               ("down_proj", "ffn_down_shexp")):
+                linear(mlp.shared_expert, leaf, b + name + ".weight")
+            linear(mlp, "shared_expert_gate", b + "ffn_gate_inp_shexp.weight")
+        if hasattr(layer, "self_attn"):
+            att = layer.self_attn
+            for leaf, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
+                               ("o_proj", "attn_output")):
+                linear(att, leaf, b + name + ".weight")
+            att.q_norm.weight = vector(b + "attn_q_norm.weight", minus_one=True)
+            att.k_norm.weight = vector(b + "attn_k_norm.weight", minus_one=True)
+            continue
+        gdn = layer.linear_attn
+        linear(gdn, "in_proj_qkv", b + "attn_qkv.weight", qkv_rows)
+        linear(gdn, "in_proj_z", b + "attn_gate.weight", per_value)
+        linear(gdn, "in_proj_a", b + "ssm_alpha.weight", per_head)
+        linear(gdn, "in_proj_b", b + "ssm_beta.weight", per_head)
+        out = matrix(b + "ssm_out.weight")
+        gdn.out_proj = (OutTiled(out, Hk, r, Dv) if isinstance(out, GGUFWeight)
+                        else _dense_linear(out[:, tiled_to_grouped(Hk, r, Dv)].contiguous()))
+        conv = take(b + "ssm_conv1d.weight")
+        gdn.conv1d.weight = nn.Parameter(conv.data.view(conv.shape).float()[qkv_rows].unsqueeze(1).contiguous(),
+                                         requires_grad=False)
+        gdn.norm.weight = vector(b + "ssm_norm.weight")
+        gdn.A_log = nn.Parameter(torch.log(-vector(b + "ssm_a", per_head).data), requires_grad=False)
+        gdn.dt_bias = vector(b + "ssm_dt.bias", per_head)
+    model.model.norm.weight = vector("output_norm.weight", minus_one=True)
+    embed = matrix("token_embd.weight")
+    if isinstance(embed, GGUFWeight):
+        model.model.embed_tokens = module_quant.PackedEmbedding(embed)
+    else:
+        model.model.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
+    if "output.weight" in tensors:
+        linear(model, "lm_head", "output.weight")
+    elif isinstance(embed, GGUFWeight):                    # tied: the table's blocks serve both
+        model.lm_head = module_quant.PackedLinear(embed, None)
+    else:
+        model.lm_head = _dense_linear(embed)
+
+
+def _experts(module: nn.Module, gate, up, down, gguf: Path) -> nn.Module:
+    """A sparse block's experts from the file's [experts, rows, K] tensors: one GGUFWeight per
+    expert (gate and up stacked, as transformers fuses them) read where it lies, or where the
+    file holds floats, the module's own 3-D parameters."""
+    kinds = {gate.kind, up.kind, down.kind}
+    if kinds == {"F32"}:
+        module.gate_up_proj = nn.Parameter(torch.cat([gate.data, up.data], 1).contiguous(), requires_grad=False)
+        module.down_proj = nn.Parameter(down.data.contiguous(), requires_grad=False)
+        return module
+    odd = sorted(kinds - set(gguf_kernel.TYPES))
+    if odd:
+        raise UnsupportedModel(f"{gguf}: no kernel for {gate.name.rsplit('.', 2)[0]}'s {', '.join(odd)} experts yet")
+    hid, inter = gate.shape[-1], down.shape[-1]
+    gate_up = [GGUFWeight([(gate.kind, gate.data[e]), (up.kind, up.data[e])], hid) for e in range(gate.shape[0])]
+    downs = [GGUFWeight([(down.kind, down.data[e])], inter) for e in range(down.shape[0])]
+    return module_quant.PackedExperts(module, gate_up, downs)
+
+
+def _dense_linear(w: torch.Tensor) -> nn.Linear:
+    m = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    m.weight = nn.Parameter(w, requires_grad=False)
+    return m
+

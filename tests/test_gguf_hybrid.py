@@ -1,0 +1,122 @@
+"""Qwen3.5 and Qwen3.5-MoE GGUFs written by llama.cpp's own converter, run from its blocks
+(engine/targets/gguf_modules.py): the converter's changes undone (norms stored as w + 1,
+ssm_a as -exp(A_log), value heads tiled), so its F32 file is the checkpoint to the bit;
+its Q8_0 file is its own dequantized weights within float32 rounding, its steps in C
+(the out projection's input in the file's tiled order) as the modules compute them;
+verify rows are lone steps, and speculation is plain greedy."""
+import pytest
+import torch
+
+import engine
+from engine import checkpoint
+from engine.kernels import gguf_kernel
+from engine.models import hybrid_layers
+from test_hybrid_speculative import ScriptedDrafter, _prompt_len
+
+pytestmark = pytest.mark.skipif(not gguf_kernel.available(), reason=f"no GGUF kernel here: {gguf_kernel.why_not()}")
+
+IDS = list(range(100, 140))
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def files(request, tmp_path_factory):
+    """A tiny Qwen3.5 or Qwen3.5-MoE (4 layers, one of them full attention) with the demo's
+    tokenizer (the converter knows its pre-tokenizer), and its F32 and Q8_0 files by
+    llama.cpp's converter."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from llama_cpp import convert
+    from tiny import build_model
+    base = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    tok = AutoTokenizer.from_pretrained(checkpoint.resolve(None).path)
+    src = build_model(base / "hf", request.param, tokenizer=tok, layers=4, hidden=64, seed=7)
+    given = src
+    if request.param == "qwen3_5_moe":
+        # transformers reads a qwen3_5_moe checkpoint's tokenizer as Qwen3.5's own class,
+        # whose pre-tokenizer the converter does not know over the demo's vocabulary: the
+        # converter is shown the dense model type (it goes by the architecture, the MoE's)
+        given = shutil.copytree(src, base / "to-convert")
+        cfg = json.loads((given / "config.json").read_text())
+        (given / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen3_5_text")))
+    return src, {kind: convert(given, base / f"tiny.{kind}.gguf", kind, "--no-mtp") for kind in ("f32", "q8_0")}
+
+
+def _logits(eng, width: int = 4):
+    """A prefill's logits, then `width` one-token steps'."""
+    t = eng.target
+    eng.cache_owner = None
+    with torch.inference_mode():
+        t.cache.rollback(0)
+        out = [t.forward(IDS, all_logits=True)] + [t.forward([i]) for i in (5, 7, 11, 13)[:width]]
+        t.cache.rollback(0)
+    return out
+
+
+def test_an_f32_file_is_the_checkpoint_to_the_bit(files, tmp_path):
+    src, f = files
+    eng = engine.open(str(f["f32"]), cache_dir=tmp_path, drafter="none")
+    exact = engine.open(str(src), profile="resident-exact", dtype="float32", drafter="none")
+    assert eng.plan.chosen == "resident-gguf" and eng.target.kind == "gguf"
+    for got, want in zip(_logits(eng), _logits(exact)):
+        assert torch.equal(got, want)
+
+
+def test_a_q8_0_file_is_its_dequantized_weights_within_rounding(files, tmp_path):
+    _, f = files
+    eng = engine.open(str(f["q8_0"]), cache_dir=tmp_path, drafter="none")
+    assert eng.plan.chosen == "resident-gguf" and eng.target.formats["Q8_0"] > 0
+    assert not list((tmp_path / "imports").glob("*/*.safetensors"))          # no float copy
+    assert eng.target.weight_bytes() <= f["q8_0"].stat().st_size
+    info = eng.describe()
+    assert "in C" in info["hybrid_layers"] and info["weights"].startswith("GGUF Q8_0")
+    if eng.target.config.model_type == "qwen3_5_moe_text":
+        assert "one C call" in info["experts"]                                # the experts' blocks in C
+    exact = engine.open(str(f["q8_0"]), cache_dir=tmp_path, profile="resident-exact", drafter="none")
+    assert exact.target.kind != "gguf"                                          # gguf-py's float32 weights
+    for got, want in zip(_logits(eng), _logits(exact)):
+        # the same float32 weights summed in another order: a mapping error would be O(1)
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+def test_steps_in_c_read_the_tiled_out_projection_as_the_modules_do(files, tmp_path, monkeypatch):
+    _, f = files
+    ran = []
+    plain = hybrid_layers.HybridLayers._delta_net
+    monkeypatch.setattr(hybrid_layers.HybridLayers, "_delta_net",
+                        lambda self, *a: ran.append(plain(self, *a)) or ran[-1])
+    in_c = _logits(engine.open(str(f["q8_0"]), cache_dir=tmp_path, drafter="none"))
+    assert sum(ran) == 3 * 4                    # each step's three delta-net layers in C (the prefill starts them)
+    monkeypatch.setenv("LOCALCHAT_HYBRID_KERNEL", "off")
+    modules = _logits(engine.open(str(f["q8_0"]), cache_dir=tmp_path, drafter="none"))
+    for c, m in zip(in_c[1:], modules[1:]):
+        assert (c - m).abs().max() <= 1e-4 * m.abs().max()
+
+
+def test_verify_rows_are_steps_and_speculation_is_plain_greedy(files, tmp_path):
+    _, f = files
+    eng = engine.open(str(f["q8_0"]), cache_dir=tmp_path, drafter="none")
+    t, cache = eng.target, eng.target.cache
+    drafts = [40, 41, 42, 43, 44]
+    with torch.inference_mode():
+        cache.rollback(0)
+        t.forward(IDS)
+        cache.checkpoint()
+        steps = torch.cat([t.forward([d], all_logits=True) for d in drafts])
+        cache.rollback(len(IDS))
+        with cache.record():
+            rows = t.forward(drafts, all_logits=True)
+        cache.rollback(len(IDS))
+        cache.settle()
+        cache.rollback(0)
+    assert torch.equal(steps, rows)
+    prompt = "Why is the sky blue?"
+    plain = list(eng.chat().send(prompt, max_new_tokens=30))[-1]
+    # drafts from the answer, every third token wrong: accepted runs and rejections both
+    eng.drafter = ScriptedDrafter(list(plain.token_ids), _prompt_len(eng, prompt), t.vocab_size, wrong_every=3)
+    eng.draft_tokens = 4
+    chat = eng.chat()
+    spec = list(chat.send(prompt, max_new_tokens=30))[-1]
+    assert list(spec.token_ids) == list(plain.token_ids) and chat.last_stats.drafted_tokens > 0
