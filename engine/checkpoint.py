@@ -387,20 +387,26 @@ def unwritable(folder: Path, exc: Exception, what: str) -> str:
             "directory with room")
 
 
+def _gguf_read(gguf: Path):
+    """(fields, tensors) of a GGUF file, read once and kept (engine/gguf_file.read): parsing
+    a large vocabulary's metadata takes seconds, and an import asks for it several times."""
+    from .gguf_file import read
+    return read(gguf)
+
+
 def _check_gguf_architecture(gguf: Path) -> None:
     """Refuse, in one line, a GGUF file of an architecture transformers cannot read (its
     reader would fail later on a missing key): the architecture named, what to use instead."""
     import transformers
-    from gguf import GGUFReader
     from transformers.integrations.gguf.gguf_config_mapping import GGUF_CONFIG_ARCHS
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     try:
-        field = GGUFReader(str(gguf)).fields["general.architecture"]
-        arch = bytes(field.parts[field.data[0]]).decode()
+        arch = str(_gguf_read(gguf)[0]["general.architecture"])
     except Exception:  # noqa: BLE001 — a file that is not GGUF: the import below says so
         return
+    from .gguf_config import CONFIGS
     names = {arch, arch.replace("-", "_"), arch.replace("moe", "_moe")}
-    if not names & (set(GGUF_SUPPORTED_ARCHITECTURES) | set(GGUF_CONFIG_ARCHS)):
+    if not names & (set(GGUF_SUPPORTED_ARCHITECTURES) | set(GGUF_CONFIG_ARCHS) | set(CONFIGS)):
         raise CheckpointError(f"{gguf}: transformers {transformers.__version__} cannot read GGUF files of the "
                               f"{arch} architecture; use the model's safetensors checkpoint (its hub repo id or "
                               "a local directory) instead")
@@ -462,10 +468,9 @@ def gguf_sampling(gguf: Path) -> dict:
     """{"do_sample": True, "temperature": ..., ...} from a GGUF file's general.sampling.*
     keys, or {} where it has none. The file holds float32: 0.6 reads back as 0.60000002,
     so a float is rounded to the six places a recommendation is written with."""
-    from gguf import GGUFReader
     try:
-        fields = GGUFReader(str(gguf)).fields
-        found = {name: fields[key].contents() for key, name in _GGUF_SAMPLING.items() if key in fields}
+        fields = _gguf_read(gguf)[0]
+        found = {name: fields[key] for key, name in _GGUF_SAMPLING.items() if key in fields}
         found = {name: round(v, 6) if isinstance(v, float) else v for name, v in found.items()}
     except Exception:  # noqa: BLE001 — a file gguf cannot read: the import itself says so
         return {}
@@ -476,14 +481,12 @@ def _gguf_config(gguf: Path):
     """transformers' config of a GGUF file, with the head size the file states: its mapping
     drops `{arch}.attention.key_length`, so a head size other than its default (128 for
     Qwen3) became the wrong shapes."""
-    from gguf import GGUFReader
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    fields = GGUFReader(str(gguf)).fields
-    arch = fields["general.architecture"].contents()
-    key = fields.get(f"{arch}.attention.key_length")
+    fields = _gguf_read(gguf)[0]
+    key = fields.get(f"{fields['general.architecture']}.attention.key_length")
     if key is not None and hasattr(config, "head_dim"):
-        config.head_dim = int(key.contents())
+        config.head_dim = int(key)
     return config
 
 
@@ -509,13 +512,20 @@ class _QuietGGUF:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """The config, tokenizer and generation config of a GGUF file, written into `out`."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
+    from . import gguf_config
     _check_gguf_architecture(gguf)
     with _QuietGGUF():
         try:
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            config = _gguf_config(gguf)
+            fields, tensors = _gguf_read(gguf)
+            if fields["general.architecture"] in gguf_config.CONFIGS:
+                # transformers reads its tokenizer, not its config: that is built here
+                tok = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                config = gguf_config.config(fields, tensors)
+            else:
+                tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                config = _gguf_config(gguf)
         except Exception as exc:  # gguf/transformers raise many types for a bad file
             raise CheckpointError(f"{gguf}: cannot import this GGUF file ({type(exc).__name__}: {exc})") from None
     # written as a plain float32 checkpoint's config, without the quantization_config
@@ -539,6 +549,11 @@ def _write_gguf_weights(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    from . import gguf_config
+    arch = _gguf_read(gguf)[0]["general.architecture"]
+    if arch in gguf_config.CONFIGS:
+        raise CheckpointError(f"{gguf}: a {arch} file runs from its own blocks only (the resident-gguf profile); "
+                              "transformers cannot read its weights for a float32 copy")
     with _QuietGGUF():
         try:
             config = _gguf_config(gguf)

@@ -42,8 +42,11 @@ class Tensor:
 
 
 def read(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
-    """(metadata fields by key, tensors by name) of a GGUF file, memory-mapped; the last few
-    files read are kept (planning, checking and loading a model each read its table)."""
+    """(metadata by key, tensors by name) of a GGUF file, memory-mapped; the last few files
+    read are kept (planning, checking and loading a model each read its table). A metadata
+    value is a number, a string, a list of numbers, or for an array of strings (a
+    vocabulary, its merges) their count: walking them is all a table needs, and building
+    every string of a large vocabulary took gguf-py's reader seconds a read."""
     path = Path(path).resolve()
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
@@ -60,25 +63,93 @@ def read(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
 _read_cache: dict[tuple, tuple[dict, dict]] = {}
 _read_lock = threading.Lock()
 
+# metadata value types (gguf's GGUFValueType): the fixed-size ones by struct format
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(ValueError):
+    """Not a GGUF file this reader knows, or one cut short."""
+
 
 def _read(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    import struct
     import warnings
 
     import numpy as np
-    from gguf import GGUFReader
-    reader = GGUFReader(str(path))
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    raw = memoryview(blob)
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", raw, at)
+        return bytes(raw[at + 8:at + 8 + n]).decode("utf-8", errors="replace"), at + 8 + n
+
+    def value(kind: int, at: int):
+        if kind in _SCALARS:
+            fmt = _SCALARS[kind]
+            return struct.unpack_from(fmt, raw, at)[0], at + struct.calcsize(fmt)
+        if kind == _STRING:
+            return string(at)
+        if kind != _ARRAY:
+            raise GGUFError(f"metadata value of unknown type {kind}")
+        item, count = struct.unpack_from("<IQ", raw, at)
+        at += 12
+        if item in _SCALARS:
+            fmt = _SCALARS[item]
+            return list(struct.unpack_from(f"<{count}{fmt[1]}", raw, at)), at + count * struct.calcsize(fmt)
+        for _ in range(count):                   # strings (or nested arrays): walked, kept as their count
+            _, at = value(item, at)
+        return count, at
+
+    try:
+        if bytes(raw[:4]) != b"GGUF":
+            raise GGUFError("it does not start with GGUF's magic bytes")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", raw, 4)
+        if version not in (2, 3):
+            raise GGUFError(f"GGUF version {version} (this reader knows 2 and 3)")
+        at, meta = 24, {}
+        for _ in range(n_kv):
+            name, at = string(at)
+            (kind,) = struct.unpack_from("<I", raw, at)
+            meta[name], at = value(kind, at + 4)
+        table = []
+        for _ in range(n_tensors):
+            name, at = string(at)
+            (dims,) = struct.unpack_from("<I", raw, at)
+            shape = struct.unpack_from(f"<{dims}Q", raw, at + 4)
+            kind, offset = struct.unpack_from("<IQ", raw, at + 4 + 8 * dims)
+            at += 4 + 8 * dims + 12
+            table.append((name, tuple(int(n) for n in reversed(shape)), kind, offset))   # torch's order
+    except struct.error:
+        raise GGUFError("the file ends inside its header") from None
+    align = int(meta.get("general.alignment", 32))
+    start = (at + align - 1) // align * align
     tensors = {}
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape))           # ggml lists the fastest dimension first
-        kind = t.tensor_type.name
+    for name, shape, kind, offset in table:
+        try:
+            kind_name = GGMLQuantizationType(kind).name
+        except ValueError:
+            raise GGUFError(f"tensor {name} is of an unknown ggml type {kind}") from None
+        per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        rows = 1
+        for n in shape[:-1]:
+            rows *= n
+        row = shape[-1] // per_block * block_bytes
+        a = start + offset
+        if a + rows * row > blob.shape[0]:
+            raise GGUFError(f"tensor {name} runs past the end of the file (truncated)")
         with warnings.catch_warnings():      # the map is read-only, and nothing here writes to it
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(np.asarray(t.data))
-        if kind in ("F16", "BF16"):
-            data = (data.view(torch.float16) if kind == "F16" else data.view(torch.bfloat16)).float()
-            kind = "F32"
-        tensors[t.name] = Tensor(t.name, kind, shape, data)
-    return reader.fields, tensors
+            data = torch.from_numpy(blob[a:a + rows * row].reshape(*shape[:-1], row))
+        if kind_name in ("F32", "F16", "BF16"):
+            data = data.view({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind_name])
+            if kind_name != "F32":
+                data = data.float()                  # widened once, as the forward holds floats
+            kind_name = "F32"
+        tensors[name] = Tensor(name, kind_name, shape, data)
+    return meta, tensors
 
 
 def hf_rows(rows: int, heads: int) -> torch.Tensor:

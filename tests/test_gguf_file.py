@@ -20,8 +20,8 @@ def demo():
     imported = checkpoint.resolve(None).path            # transformers' float32 copy of the same file
     with safe_open(str(next(imported.glob("*.safetensors"))), "pt") as f:
         hf = {k: f.get_tensor(k) for k in f.keys()}
-    heads = int(fields["llama.attention.head_count"].contents())
-    kv_heads = int(fields["llama.attention.head_count_kv"].contents())
+    heads = int(fields["llama.attention.head_count"])
+    kv_heads = int(fields["llama.attention.head_count_kv"])
     return tensors, hf, heads, kv_heads
 
 

@@ -1,8 +1,9 @@
-"""Qwen3.5 and Qwen3.5-MoE GGUFs written by llama.cpp's own converter, run from its blocks
-(engine/targets/gguf_modules.py): the converter's changes undone (norms stored as w + 1,
-ssm_a as -exp(A_log), value heads tiled), so its F32 file is the checkpoint to the bit;
-its Q8_0 file is its own dequantized weights within float32 rounding, its steps in C
-(the out projection's input in the file's tiled order) as the modules compute them;
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next GGUFs written by llama.cpp's own converter, run
+from their blocks (engine/targets/gguf_modules.py): the converter's changes undone (norms
+stored as w + 1, ssm_a as -exp(A_log), Qwen3.5's value heads tiled, Qwen3-Next's fused
+in-projections split), so an F32 file is the checkpoint to the bit; a Q8_0 file is its own
+weights as gguf-py dequantizes them within float32 rounding, its steps in C (Qwen3.5's out
+projection reading its input in the file's tiled order) as the modules compute them;
 verify rows are lone steps, and speculation is plain greedy."""
 import pytest
 import torch
@@ -18,11 +19,27 @@ pytestmark = pytest.mark.skipif(not gguf_kernel.available(), reason=f"no GGUF ke
 IDS = list(range(100, 140))
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def _dequantized(f32, q8, out):
+    """`f32` with every tensor's values replaced by gguf-py's dequantization of the same
+    tensor of `q8`: the Q8_0 file's own weights, in float32, through nothing of ours."""
+    import shutil
+
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    shutil.copyfile(f32, out)
+    blocks = {t.name: t for t in GGUFReader(str(q8)).tensors}
+    for t in GGUFReader(str(out), "r+").tensors:
+        q = blocks[t.name]
+        if q.tensor_type != t.tensor_type:
+            t.data[...] = dequantize(q.data, q.tensor_type).reshape(t.data.shape)
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def files(request, tmp_path_factory):
-    """A tiny Qwen3.5 or Qwen3.5-MoE (4 layers, one of them full attention) with the demo's
-    tokenizer (the converter knows its pre-tokenizer), and its F32 and Q8_0 files by
-    llama.cpp's converter."""
+    """A tiny Qwen3.5, Qwen3.5-MoE or Qwen3-Next (4 layers, one of them full attention) with
+    the demo's tokenizer (the converter knows its pre-tokenizer); its F32 and Q8_0 files by
+    llama.cpp's converter, and the F32 file holding the Q8_0 file's dequantized weights."""
     import json
     import shutil
 
@@ -41,7 +58,14 @@ def files(request, tmp_path_factory):
         given = shutil.copytree(src, base / "to-convert")
         cfg = json.loads((given / "config.json").read_text())
         (given / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen3_5_text")))
-    return src, {kind: convert(given, base / f"tiny.{kind}.gguf", kind, "--no-mtp") for kind in ("f32", "q8_0")}
+    f = {kind: convert(given, base / f"tiny.{kind}.gguf", kind, "--no-mtp") for kind in ("f32", "q8_0")}
+    f["dequantized"] = _dequantized(f["f32"], f["q8_0"], base / "tiny.dequantized.gguf")
+    f["cache"] = base / "cache"              # their imports, once for the module's tests
+    return src, f
+
+
+def _open(f, kind: str, **kw):
+    return engine.open(str(f[kind]), cache_dir=f["cache"], drafter="none", **kw)
 
 
 def _logits(eng, width: int = 4):
@@ -55,49 +79,48 @@ def _logits(eng, width: int = 4):
     return out
 
 
-def test_an_f32_file_is_the_checkpoint_to_the_bit(files, tmp_path):
+def test_an_f32_file_is_the_checkpoint_to_the_bit(files):
     src, f = files
-    eng = engine.open(str(f["f32"]), cache_dir=tmp_path, drafter="none")
+    eng = _open(f, "f32")
     exact = engine.open(str(src), profile="resident-exact", dtype="float32", drafter="none")
     assert eng.plan.chosen == "resident-gguf" and eng.target.kind == "gguf"
     for got, want in zip(_logits(eng), _logits(exact)):
         assert torch.equal(got, want)
 
 
-def test_a_q8_0_file_is_its_dequantized_weights_within_rounding(files, tmp_path):
+def test_a_q8_0_file_is_its_dequantized_weights_within_rounding(files):
     _, f = files
-    eng = engine.open(str(f["q8_0"]), cache_dir=tmp_path, drafter="none")
+    eng = _open(f, "q8_0")
     assert eng.plan.chosen == "resident-gguf" and eng.target.formats["Q8_0"] > 0
-    assert not list((tmp_path / "imports").glob("*/*.safetensors"))          # no float copy
+    assert not list(eng.checkpoint.path.glob("*.safetensors"))                  # no float copy
     assert eng.target.weight_bytes() <= f["q8_0"].stat().st_size
     info = eng.describe()
     assert "in C" in info["hybrid_layers"] and info["weights"].startswith("GGUF Q8_0")
     if eng.target.config.model_type == "qwen3_5_moe_text":
         assert "one C call" in info["experts"]                                # the experts' blocks in C
-    exact = engine.open(str(f["q8_0"]), cache_dir=tmp_path, profile="resident-exact", drafter="none")
-    assert exact.target.kind != "gguf"                                          # gguf-py's float32 weights
+    exact = _open(f, "dequantized")
     for got, want in zip(_logits(eng), _logits(exact)):
         # the same float32 weights summed in another order: a mapping error would be O(1)
         assert (got - want).abs().max() <= 1e-3 * want.abs().max()
 
 
-def test_steps_in_c_read_the_tiled_out_projection_as_the_modules_do(files, tmp_path, monkeypatch):
+def test_steps_in_c_are_what_the_modules_compute(files, monkeypatch):
     _, f = files
     ran = []
     plain = hybrid_layers.HybridLayers._delta_net
     monkeypatch.setattr(hybrid_layers.HybridLayers, "_delta_net",
                         lambda self, *a: ran.append(plain(self, *a)) or ran[-1])
-    in_c = _logits(engine.open(str(f["q8_0"]), cache_dir=tmp_path, drafter="none"))
+    in_c = _logits(_open(f, "q8_0"))
     assert sum(ran) == 3 * 4                    # each step's three delta-net layers in C (the prefill starts them)
     monkeypatch.setenv("LOCALCHAT_HYBRID_KERNEL", "off")
-    modules = _logits(engine.open(str(f["q8_0"]), cache_dir=tmp_path, drafter="none"))
+    modules = _logits(_open(f, "q8_0"))
     for c, m in zip(in_c[1:], modules[1:]):
         assert (c - m).abs().max() <= 1e-4 * m.abs().max()
 
 
-def test_verify_rows_are_steps_and_speculation_is_plain_greedy(files, tmp_path):
+def test_verify_rows_are_steps_and_speculation_is_plain_greedy(files):
     _, f = files
-    eng = engine.open(str(f["q8_0"]), cache_dir=tmp_path, drafter="none")
+    eng = _open(f, "q8_0")
     t, cache = eng.target, eng.target.cache
     drafts = [40, 41, 42, 43, 44]
     with torch.inference_mode():
@@ -120,3 +143,19 @@ def test_verify_rows_are_steps_and_speculation_is_plain_greedy(files, tmp_path):
     chat = eng.chat()
     spec = list(chat.send(prompt, max_new_tokens=30))[-1]
     assert list(spec.token_ids) == list(plain.token_ids) and chat.last_stats.drafted_tokens > 0
+
+
+def test_the_float_copy_is_transformers_reading_or_one_line_where_it_cannot(files, tmp_path):
+    # transformers reads qwen35 and qwen35moe files (their float32 copy, for the other
+    # profiles); a qwen3next file it cannot read runs from its blocks only, and says so
+    from engine.errors import CheckpointError
+    src, f = files
+    if "next" in src.parent.name:
+        with pytest.raises(CheckpointError, match="runs from its own blocks only"):
+            engine.open(str(f["q8_0"]), cache_dir=tmp_path, profile="resident-exact", drafter="none")
+        return
+    exact = engine.open(str(f["q8_0"]), cache_dir=tmp_path, profile="resident-exact", drafter="none")
+    packed = _open(f, "dequantized")
+    assert exact.target.kind != "gguf"
+    for got, want in zip(_logits(exact, 1), _logits(packed, 1)):
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max()

@@ -234,8 +234,13 @@ class HybridLayers:
     def _delta_net_desc(self, layer):
         mod, dt = layer.linear_attn, self.dtype
         grouped = hasattr(mod, "in_proj_qkvz")            # Qwen3-Next
-        ws = (_matrices(dt, mod.in_proj_qkvz, mod.in_proj_ba, mod.out_proj) if grouped else
-              _matrices(dt, mod.in_proj_qkv, mod.in_proj_z, mod.in_proj_b, mod.in_proj_a, mod.out_proj))
+        if grouped and hasattr(mod.in_proj_qkvz, "qkv"):  # a GGUF file's, its parts apart (targets/gguf_modules.py)
+            grouped = False
+            ws = _matrices(dt, mod.in_proj_qkvz.qkv, mod.in_proj_qkvz.z, mod.in_proj_ba.b, mod.in_proj_ba.a,
+                           mod.out_proj)
+        else:
+            ws = (_matrices(dt, mod.in_proj_qkvz, mod.in_proj_ba, mod.out_proj) if grouped else
+                  _matrices(dt, mod.in_proj_qkv, mod.in_proj_z, mod.in_proj_b, mod.in_proj_a, mod.out_proj))
         if ws is None or not _plain(mod.conv1d.weight, dt) or not _plain(mod.norm.weight, dt):
             return None
         d = Weights()

@@ -33,7 +33,7 @@ from . import module_quant
 from .quantized import _skeleton
 from .resident import ResidentTarget
 
-ARCHITECTURES = ("qwen35", "qwen35moe")
+ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 
 
 def tiled_to_grouped(key_heads: int, per_key: int, head_dim: int = 1) -> torch.Tensor:
@@ -55,6 +55,43 @@ class OutTiled(module_quant.PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.index_select(-1, self.order))
+
+
+class SplitQKVZ(nn.Module):
+    """Qwen3-Next's in_proj_qkvz from the file's two matrices: llama.cpp's converter split it
+    into q/k/v (all heads' q, all k, all v: the conv's channel order) and z; the module wants
+    them fused per key head ([q, k, v, z] of head 0, then head 1). The outputs are put in
+    that order (activations, not weights, move). The C layer reads `qkv` and `z` apart."""
+
+    def __init__(self, qkv: nn.Module, z: nn.Module, key_heads: int, key_dim: int, value_width: int):
+        super().__init__()
+        self.qkv, self.z = qkv, z
+        self.heads, self.dk, self.vw = key_heads, key_dim, value_width
+        self.in_features = qkv.in_features
+        self.out_features = qkv.out_features + z.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        H, dk, vw = self.heads, self.dk, self.vw
+        qkv, z = self.qkv(x), self.z(x)
+        lead = x.shape[:-1]
+        q, k, v = qkv.split([H * dk, H * dk, H * vw], -1)
+        parts = [q.reshape(*lead, H, dk), k.reshape(*lead, H, dk), v.reshape(*lead, H, vw), z.reshape(*lead, H, vw)]
+        return torch.cat(parts, -1).reshape(*lead, -1)
+
+
+class SplitBA(nn.Module):
+    """Qwen3-Next's in_proj_ba ([b, a] per key head) held as its b rows and its a rows (the
+    C layer reads them apart); the forward gives the module's fused order back."""
+
+    def __init__(self, b: nn.Module, a: nn.Module, key_heads: int):
+        super().__init__()
+        self.b, self.a, self.heads = b, a, key_heads
+        self.in_features, self.out_features = b.in_features, 2 * b.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        b, a = self.b(x).reshape(*lead, self.heads, -1), self.a(x).reshape(*lead, self.heads, -1)
+        return torch.cat([b, a], -1).reshape(*lead, -1)
 
 
 class GGUFModulesTarget(ResidentTarget):
@@ -97,9 +134,12 @@ def _fill(model: nn.Module, cfg, tensors: dict, gguf: Path) -> None:
             raise UnsupportedModel(f"{gguf}: no kernel for {name} ({t.kind}) yet")
         return GGUFWeight.of(t, rows=[rows])
 
-    def linear(owner: nn.Module, leaf: str, name: str, rows: torch.Tensor | None = None) -> None:
+    def module(name: str, rows: torch.Tensor | None = None) -> nn.Module:
         w = matrix(name, rows)
-        setattr(owner, leaf, module_quant.PackedLinear(w, None) if isinstance(w, GGUFWeight) else _dense_linear(w))
+        return module_quant.PackedLinear(w, None) if isinstance(w, GGUFWeight) else _dense_linear(w)
+
+    def linear(owner: nn.Module, leaf: str, name: str, rows: torch.Tensor | None = None) -> None:
+        setattr(owner, leaf, module(name, rows))
 
     def vector(name: str, rows: torch.Tensor | None = None, minus_one: bool = False) -> nn.Parameter:
         v = take(name).data.view(take(name).shape).float()
@@ -108,10 +148,11 @@ def _fill(model: nn.Module, cfg, tensors: dict, gguf: Path) -> None:
 
     Hk, Hv = text.linear_num_key_heads, text.linear_num_value_heads
     Dk, Dv, r = text.linear_key_head_dim, text.linear_value_head_dim, Hv // Hk
-    per_value = tiled_to_grouped(Hk, r, Dv)
-    per_head = tiled_to_grouped(Hk, r)
+    nxt = text.model_type == "qwen3_next"         # its value heads stay grouped; q/k/v/z and b/a fused
+    per_value = None if nxt else tiled_to_grouped(Hk, r, Dv)
+    per_head = None if nxt else tiled_to_grouped(Hk, r)
     qk_rows = 2 * Hk * Dk
-    qkv_rows = torch.cat([torch.arange(qk_rows), qk_rows + per_value])
+    qkv_rows = None if nxt else torch.cat([torch.arange(qk_rows), qk_rows + per_value])
     for i, layer in enumerate(model.model.layers):
         b = f"blk.{i}."
         layer.input_layernorm.weight = vector(b + "attn_norm.weight", minus_one=True)
@@ -137,15 +178,22 @@ def _fill(model: nn.Module, cfg, tensors: dict, gguf: Path) -> None:
             att.k_norm.weight = vector(b + "attn_k_norm.weight", minus_one=True)
             continue
         gdn = layer.linear_attn
-        linear(gdn, "in_proj_qkv", b + "attn_qkv.weight", qkv_rows)
-        linear(gdn, "in_proj_z", b + "attn_gate.weight", per_value)
-        linear(gdn, "in_proj_a", b + "ssm_alpha.weight", per_head)
-        linear(gdn, "in_proj_b", b + "ssm_beta.weight", per_head)
-        out = matrix(b + "ssm_out.weight")
-        gdn.out_proj = (OutTiled(out, Hk, r, Dv) if isinstance(out, GGUFWeight)
-                        else _dense_linear(out[:, tiled_to_grouped(Hk, r, Dv)].contiguous()))
-        conv = take(b + "ssm_conv1d.weight")
-        gdn.conv1d.weight = nn.Parameter(conv.data.view(conv.shape).float()[qkv_rows].unsqueeze(1).contiguous(),
+        if nxt:
+            gdn.in_proj_qkvz = SplitQKVZ(module(b + "attn_qkv.weight"), module(b + "attn_gate.weight"), Hk, Dk, r * Dv)
+            ba = torch.arange(2 * Hv).view(Hk, 2, r)              # per key head: its b rows, then its a rows
+            gdn.in_proj_ba = SplitBA(module(b + "ssm_ba.weight", ba[:, 0].reshape(-1)),
+                                     module(b + "ssm_ba.weight", ba[:, 1].reshape(-1)), Hk)
+            linear(gdn, "out_proj", b + "ssm_out.weight")
+        else:
+            linear(gdn, "in_proj_qkv", b + "attn_qkv.weight", qkv_rows)
+            linear(gdn, "in_proj_z", b + "attn_gate.weight", per_value)
+            linear(gdn, "in_proj_a", b + "ssm_alpha.weight", per_head)
+            linear(gdn, "in_proj_b", b + "ssm_beta.weight", per_head)
+            out = matrix(b + "ssm_out.weight")
+            gdn.out_proj = (OutTiled(out, Hk, r, Dv) if isinstance(out, GGUFWeight)
+                            else _dense_linear(out[:, tiled_to_grouped(Hk, r, Dv)].contiguous()))
+        conv = take(b + "ssm_conv1d.weight").data.view(take(b + "ssm_conv1d.weight").shape).float()
+        gdn.conv1d.weight = nn.Parameter((conv if qkv_rows is None else conv[qkv_rows]).unsqueeze(1).contiguous(),
                                          requires_grad=False)
         gdn.norm.weight = vector(b + "ssm_norm.weight")
         gdn.A_log = nn.Parameter(torch.log(-vector(b + "ssm_a", per_head).data), requires_grad=False)

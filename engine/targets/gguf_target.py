@@ -32,7 +32,7 @@ ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
 
 def architecture(fields) -> str:
-    return bytes(fields["general.architecture"].parts[-1]).decode()
+    return str(fields["general.architecture"])
 
 
 def gguf_why_not(gguf: Path) -> str:
