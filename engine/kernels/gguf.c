@@ -58,14 +58,25 @@ static inline float gg_half(const uint8_t *p) {
 #endif
 }
 
-/* the 8 six-bit scales and mins of a Q4_K / Q5_K block's 12 bytes */
-static void scale_min_k4(const uint8_t *s, float d, float dmin, float *dsc, float *dm) {
-    for (int j = 0; j < 8; j++) {
-        const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0xf) | ((s[j - 4] >> 2) & 0x30);
-        const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-        dsc[j] = d * (float)sc;
-        dm[j] = dmin * (float)mn;
-    }
+/* out[j] = mul * v_j for the 8 bytes of `v` (unsigned, or with `sign` signed), each product
+ * rounded once, as the scalar (float)v_j * mul rounds it */
+static inline void scale8(uint64_t v, int sign, float mul, float *out) {
+    const __m128i b = _mm_cvtsi64_si128((long long)v);
+    const __m256i w = sign ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps(mul)));
+}
+
+/* the 8 six-bit scales and mins of a Q4_K / Q5_K block's 12 bytes, times d and dmin: group j
+ * < 4 takes s[j] & 63 and s[j + 4] & 63, j >= 4 the nibbles of s[j + 4] with the top two
+ * bits of s[j - 4] and s[j] (ggml's get_scale_min_k4), four groups a 32-bit word at once */
+static inline void scale_min_k4(const uint8_t *s, float d, float dmin, float *dsc, float *dm) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    const uint32_t sc_hi = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+    const uint32_t mn_hi = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+    scale8((uint64_t)(u[0] & six) | (uint64_t)sc_hi << 32, 0, d, dsc);
+    scale8((uint64_t)(u[1] & six) | (uint64_t)mn_hi << 32, 0, dmin, dm);
 }
 
 /* unpack_*: one block to its integer codes q (int8, in the weights' order) and, per group
@@ -147,9 +158,11 @@ static inline __attribute__((always_inline)) const int8_t *unpack_iq4_nl(const u
 static inline __attribute__((always_inline)) const int8_t *unpack_q2_k(const uint8_t *b, int8_t *q, float *d, float *m) {
     const uint8_t *sc = b, *qs = b + 16;
     const float dd = gg_half(b + 80), dmin = gg_half(b + 82);
-    for (int i = 0; i < 16; i++) {
-        d[i] = dd * (float)(sc[i] & 0xf);
-        m[i] = -(dmin * (float)(sc[i] >> 4));
+    uint64_t v[2];
+    memcpy(v, sc, 16);
+    for (int h = 0; h < 2; h++) {
+        scale8(v[h] & 0x0f0f0f0f0f0f0f0full, 0, dd, d + 8 * h);
+        scale8((v[h] >> 4) & 0x0f0f0f0f0f0f0f0full, 0, -dmin, m + 8 * h);
     }
     for (int h = 0; h < 2; h++) {
         const __m256i v = ld32(qs + h * 32);
@@ -181,8 +194,7 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q3_k(const uin
 
 /* d dmin scales[12] qs[128]: 8 groups of 32, q in 0..15 */
 static inline __attribute__((always_inline)) const int8_t *unpack_q4_k(const uint8_t *b, int8_t *q, float *d, float *m) {
-    scale_min_k4(b + 4, gg_half(b), gg_half(b + 2), d, m);
-    for (int g = 0; g < 8; g++) m[g] = -m[g];
+    scale_min_k4(b + 4, gg_half(b), -gg_half(b + 2), d, m);        /* -(dmin * mn), exactly */
     for (int c = 0; c < 4; c++) {
         const __m256i v = ld32(b + 16 + c * 32);
         put32(q + c * 64, low_bits(v, 0, 0xf));
@@ -193,8 +205,7 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q4_k(const uin
 
 /* d dmin scales[12] qh[32] qs[128]: as Q4_K with a fifth bit per weight, q in 0..31 */
 static inline __attribute__((always_inline)) const int8_t *unpack_q5_k(const uint8_t *b, int8_t *q, float *d, float *m) {
-    scale_min_k4(b + 4, gg_half(b), gg_half(b + 2), d, m);
-    for (int g = 0; g < 8; g++) m[g] = -m[g];
+    scale_min_k4(b + 4, gg_half(b), -gg_half(b + 2), d, m);
     const __m256i qh = ld32(b + 16);
     for (int c = 0; c < 4; c++) {
         const __m256i v = ld32(b + 48 + c * 32);
@@ -207,9 +218,11 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q5_k(const uin
 /* ql[128] qh[64] scales[16] (int8) d: 16 groups of 16, q in -32..31 */
 static inline __attribute__((always_inline)) const int8_t *unpack_q6_k(const uint8_t *b, int8_t *q, float *d, float *m) {
     (void)m;
-    const int8_t *sc = (const int8_t *)(b + 192);
+    uint64_t sc[2];
+    memcpy(sc, b + 192, 16);
     const float dd = gg_half(b + 208);
-    for (int i = 0; i < 16; i++) d[i] = dd * (float)sc[i];
+    scale8(sc[0], 1, dd, d);
+    scale8(sc[1], 1, dd, d + 8);
     const __m256i bias = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; h++) {
         const __m256i qh = ld32(b + 128 + h * 32);
@@ -226,12 +239,17 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q6_k(const uin
 static inline __attribute__((always_inline)) const int8_t *unpack_iq4_xs(const uint8_t *b, int8_t *q, float *d, float *m) {
     (void)m;
     const float dd = gg_half(b);
-    const uint16_t sh = (uint16_t)(b[2] | (b[3] << 8));
-    for (int g = 0; g < 8; g++) {
-        const int s = ((b[4 + g / 2] >> (4 * (g % 2))) & 0xf) | (((sh >> (2 * g)) & 3) << 4);
-        d[g] = dd * (float)((int8_t)s - 32);
-        put32(q + g * 32, iq4_values(b + 8 + g * 16));
-    }
+    const int sh = b[2] | (b[3] << 8);
+    uint32_t x;
+    memcpy(&x, b + 4, 4);
+    /* group g's scale: nibble g of scales_l, bits 2g, 2g+1 of scales_h above it, less 32 */
+    const __m128i lo = _mm_cvtsi32_si128((int)(x & 0x0f0f0f0fu)), hi = _mm_cvtsi32_si128((int)((x >> 4) & 0x0f0f0f0fu));
+    const __m256i top = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(sh), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                         _mm256_set1_epi32(3));
+    const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)),
+                                                        _mm256_slli_epi32(top, 4)), _mm256_set1_epi32(32));
+    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(dd)));
+    for (int g = 0; g < 8; g++) put32(q + g * 32, iq4_values(b + 8 + g * 16));
     return q;
 }
 
