@@ -164,6 +164,18 @@ void FN(hyb_gdn_in)(const HybridWeights *w, const HybridShape *s, const ELEM *h,
         FN(product)(x, hid, &w->z, NULL, z, Hv * s->Dv, T, Hv * s->Dv, hid, q4s, threads);
         FN(product)(x, hid, &w->b, NULL, ba, Hv, T, Hv, hid, q4s, threads);
         FN(product)(x, hid, &w->a, NULL, ba + (int64_t)T * Hv, Hv, T, Hv, hid, q4s, threads);
+        if (w->in_tiled) {                             /* value heads into the model's order */
+            const int Hk = s->Hk, Dv = s->Dv, rep = Hv / Hk;
+            ELEM *tmp = ba + (int64_t)2 * T * Hv;      /* mix's room past b and a: Hv * Dv fits */
+            for (int r = 0; r < T; r++)
+                for (int part = 0; part < 2; part++) {
+                    ELEM *v = part ? z + (int64_t)r * Hv * Dv : raw + (int64_t)r * C + 2 * (int64_t)Hk * s->Dk;
+                    memcpy(tmp, v, (size_t)Hv * Dv * sizeof(ELEM));
+                    for (int k = 0; k < Hk; k++)
+                        for (int i = 0; i < rep; i++)
+                            memcpy(v + ((int64_t)k * rep + i) * Dv, tmp + ((int64_t)i * Hk + k) * Dv, Dv * sizeof(ELEM));
+                }
+        }
     } else {
         const int Hk = s->Hk, Dk = s->Dk, Dv = s->Dv, rep = Hv / Hk, G = 2 * Dk + 2 * rep * Dv;
         ELEM *grouped = ba + (int64_t)2 * T * Hv, *gba = grouped + (int64_t)T * Hk * G;

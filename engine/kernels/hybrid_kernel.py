@@ -24,7 +24,7 @@ MATRICES = ("q", "k", "v", "o", "qkv", "z", "b", "a", "out", "gate", "up", "down
 
 class Weights(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_void_p) for name in VECTORS] + [(name, _Mat) for name in MATRICES]
-                + [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("out_tiled", ctypes.c_int)])
+                + [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("in_tiled", ctypes.c_int), ("out_tiled", ctypes.c_int)])
 
 
 class Shape(ctypes.Structure):

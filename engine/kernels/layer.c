@@ -78,8 +78,9 @@ typedef struct {
     Mat qkvz, ba;                     /* Qwen3-Next's in-projections, grouped by key head (qkv.w NULL) */
     Mat se_gate, se_up, se_down, se_score;   /* a sparse block's shared expert and its gate [1, hidden] */
     void *k_cache, *v_cache;          /* [kv_heads, capacity, head_dim] each */
-    int out_tiled;                    /* out's input columns in a GGUF file's order: value heads tiled,
-                                         head i of every key head, then i + 1 (not grouped by key head) */
+    int in_tiled, out_tiled;          /* qkv's value rows and z's, and out's input columns, in a GGUF
+                                         file's order: value heads tiled, head i of every key head,
+                                         then i + 1 (not grouped by key head) */
 } HybridWeights;
 
 typedef struct {

@@ -240,7 +240,8 @@ class HybridLayers:
                            mod.out_proj)
         else:
             ws = (_matrices(dt, mod.in_proj_qkvz, mod.in_proj_ba, mod.out_proj) if grouped else
-                  _matrices(dt, mod.in_proj_qkv, mod.in_proj_z, mod.in_proj_b, mod.in_proj_a, mod.out_proj))
+                  _matrices(dt, *(getattr(m, "inner", m) for m in (mod.in_proj_qkv, mod.in_proj_z)),
+                            mod.in_proj_b, mod.in_proj_a, mod.out_proj))
         if ws is None or not _plain(mod.conv1d.weight, dt) or not _plain(mod.norm.weight, dt):
             return None
         d = Weights()
@@ -251,11 +252,17 @@ class HybridLayers:
             d.qkvz, d.ba, d.out = (mat(w) for w in ws)
         else:
             d.qkv, d.z, d.b, d.a, d.out = (mat(w) for w in ws)
-        tiled = getattr(mod.out_proj, "tiled", None)       # its input in a GGUF file's order of value heads
-        if tiled is not None:
-            if tiled != (self.shape["Hk"], self.shape["Hv"] // self.shape["Hk"], self.shape["Dv"]):
-                return None
-            d.out_tiled = 1
+        # a GGUF file's order of value heads (targets/gguf_modules.py): the in-projections'
+        # outputs and the out projection's input, as the kernel takes them
+        heads = (self.shape["Hk"], self.shape["Hv"] // self.shape["Hk"], self.shape["Dv"])
+        tiled = [getattr(getattr(mod, n, None), "tiled", None) for n in ("in_proj_qkv", "in_proj_z")]
+        if tiled[0] != tiled[1] or tiled[0] not in (None, heads):
+            return None
+        d.in_tiled = int(tiled[0] is not None)
+        tiled = getattr(mod.out_proj, "tiled", None)
+        if tiled not in (None, heads):
+            return None
+        d.out_tiled = int(tiled is not None)
         d.norm, d.dt_bias = mod.norm.weight.data_ptr(), mod.dt_bias.data_ptr()
         a_neg = -mod.A_log.float().exp()
         d.a_neg = a_neg.data_ptr()

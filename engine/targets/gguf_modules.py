@@ -1,4 +1,4 @@
-"""A Qwen3.5 or Qwen3.5-MoE GGUF file run from its own blocks: transformers' modules
+"""A Qwen3.5, Qwen3.5-MoE or Qwen3-Next GGUF file run from its own blocks: transformers' modules
 (models/hf_forward.py, as module_quant.py runs a hybrid's packed weights: PackedLinear,
 PackedEmbedding, PackedExperts) with every matrix a GGUFWeight, read
 where it lies in the file's memory map, activations in float32. One-token steps and verify
@@ -12,11 +12,15 @@ here without decoding a block:
 - `ssm_a` holds -exp(A_log);
 - the conv1d kernel is squeezed to [channels, width];
 - the value heads are stored tiled (value head i of every key head, then i + 1) where the
-  model groups them by key head. The matrices that produce a value axis (qkv's value rows,
-  z, a, b) and the per-head vectors have their rows put back in the model's order: rows of
-  blocks move whole. The one that consumes it, the out projection, would need its columns
-  moved across blocks: its input is put in the file's order instead (OutTiled), which the C
-  layer does by writing each head's normed output to its tiled place."""
+  model groups them by key head. The small matrices and the per-head vectors that produce
+  a value axis (a, b, A_log, dt_bias, the conv's value channels) have their rows put back
+  in the model's order; the large in-projections (qkv, z) keep the file's blocks as they
+  lie and their outputs are put in order (TiledRows). The out projection, which consumes
+  the axis, would need its columns moved across blocks: its input is put in the file's
+  order instead (OutTiled). The C layer does both as it goes: the in-projections' outputs
+  moved into order, each head's normed output written to its tiled place.
+Qwen3-Next's value heads are grouped, but the converter split its fused in-projections
+(SplitQKVZ, SplitBA put their outputs back together)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -41,6 +45,23 @@ def tiled_to_grouped(key_heads: int, per_key: int, head_dim: int = 1) -> torch.T
     grouped one: grouped[g] = tiled[index[g]]."""
     grouped_of_tiled = torch.arange(key_heads * per_key * head_dim).view(key_heads, per_key, head_dim)
     return grouped_of_tiled.transpose(0, 1).reshape(-1).argsort()
+
+
+class TiledRows(nn.Module):
+    """A delta-net in-projection whose output rows are in the file's tiled order of value
+    heads (qkv's value rows, z): the product as stored, its outputs put in the model's
+    order. `order` is that index (grouped[g] = tiled[order[g]]), `tiled = (key heads, value
+    heads per key head, head size)`; the C layer puts the outputs in order itself."""
+
+    def __init__(self, inner: nn.Module, order: torch.Tensor, key_heads: int, per_key: int, head_dim: int):
+        super().__init__()
+        self.inner = inner
+        self.tiled = (key_heads, per_key, head_dim)
+        self.register_buffer("order", order, persistent=False)
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).index_select(-1, self.order)
 
 
 class OutTiled(module_quant.PackedLinear):
@@ -185,8 +206,9 @@ def _fill(model: nn.Module, cfg, tensors: dict, gguf: Path) -> None:
                                      module(b + "ssm_ba.weight", ba[:, 1].reshape(-1)), Hk)
             linear(gdn, "out_proj", b + "ssm_out.weight")
         else:
-            linear(gdn, "in_proj_qkv", b + "attn_qkv.weight", qkv_rows)
-            linear(gdn, "in_proj_z", b + "attn_gate.weight", per_value)
+            # produced in the file's order and put in the model's (no copy of the blocks)
+            gdn.in_proj_qkv = TiledRows(module(b + "attn_qkv.weight"), qkv_rows, Hk, r, Dv)
+            gdn.in_proj_z = TiledRows(module(b + "attn_gate.weight"), per_value, Hk, r, Dv)
             linear(gdn, "in_proj_a", b + "ssm_alpha.weight", per_head)
             linear(gdn, "in_proj_b", b + "ssm_beta.weight", per_head)
             out = matrix(b + "ssm_out.weight")
