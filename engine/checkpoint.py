@@ -65,12 +65,33 @@ def resolve(model: str | None, cache_dir: Path | None = None) -> Checkpoint:
                 raise CheckpointError(
                     f"{path}: not a model directory or a .gguf file; give a directory with "
                     "config.json and *.safetensors, a .gguf file, or a Hugging Face repo id")
-            return Checkpoint(import_gguf(path, cache_dir), path.name, "gguf", path.resolve())
+            path = _first_part(path.absolute())
+            return Checkpoint(import_gguf(path, cache_dir), path.name, "gguf", path)
         validate_dir(path)
         return Checkpoint(path, path.name, "dir")
     if _looks_like_path(model):
         raise ModelNotFound(f"{model}: no such file or directory; check the --model path")
+    repo, quant = split_quant(model)
+    if quant:
+        gguf = download_gguf(repo, quant)
+        return Checkpoint(import_gguf(gguf, cache_dir), model, "gguf", gguf.absolute())
     return Checkpoint(download(model), model, "hub")
+
+
+def _first_part(path: Path) -> Path:
+    """A split GGUF's first part (its metadata lives there), from whichever part is named."""
+    from .gguf_file import GGUFError, shards
+    try:
+        return shards(path)[0]
+    except GGUFError as exc:
+        raise CheckpointError(f"{path}: {exc}; download every part into one folder") from None
+
+
+def split_quant(model: str) -> tuple[str, str | None]:
+    """("owner/repo", "Q4_K_M") for llama.cpp's "owner/repo:Q4_K_M" (one quant of a GGUF
+    repo), (model, None) for anything else."""
+    repo, sep, quant = model.rpartition(":")
+    return (repo, quant) if sep and repo.count("/") == 1 and quant and "/" not in quant else (model, None)
 
 
 def _looks_like_path(model: str) -> bool:
@@ -314,8 +335,9 @@ def import_gguf(gguf: Path, cache_dir: Path) -> Path:
     checkpoint directory has them, read once from the file's metadata. The weights stay in
     the file (the resident-gguf profile runs its blocks); `import_weights` writes a float32
     copy beside them when another profile asks for one. Keyed by the file's path, size and
-    mtime, so an edited file is imported again."""
-    gguf = Path(gguf).resolve()
+    mtime, so an edited file is imported again. The path is not resolved: a split file's
+    parts in the HF cache are links to blobs named by hash, found beside the link."""
+    gguf = Path(gguf).absolute()
     try:
         st = gguf.stat()
     except OSError as exc:
@@ -531,6 +553,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # written as a plain float32 checkpoint's config, without the quantization_config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    # tied where the file has no output matrix, in any part of a split file (transformers
+    # looks in the part it was given)
+    config.tie_word_embeddings = "output.weight" not in tensors
     config.dtype = torch.float32
     config.save_pretrained(out)
     tok.save_pretrained(out)
@@ -550,7 +575,11 @@ def _write_gguf_weights(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from . import gguf_config
+    from .gguf_file import shards
     arch = _gguf_read(gguf)[0]["general.architecture"]
+    if len(shards(gguf)) > 1:
+        raise CheckpointError(f"{gguf}: a split GGUF runs from its own blocks only (the resident-gguf profile); "
+                              "transformers reads one file for a float32 copy")
     if arch in gguf_config.CONFIGS:
         raise CheckpointError(f"{gguf}: a {arch} file runs from its own blocks only (the resident-gguf profile); "
                               "transformers cannot read its weights for a float32 copy")
@@ -570,6 +599,14 @@ def _write_gguf_weights(gguf: Path, out: Path) -> None:
 
 
 # ---------------------------------------------------------------- hub
+
+def download_gguf(repo_id: str, quant: str, progress=None, check_hub: bool = False) -> Path:
+    """One quant of a GGUF repo (its first file where split): from the HF cache when all of
+    it is there (unless `check_hub`), else fetched (download.py)."""
+    from . import download as _download
+    path = None if check_hub else _download.cached_gguf(repo_id, quant)
+    return path if path is not None else _download.download_gguf(repo_id, quant, progress=progress)
+
 
 def download(repo_id: str, revision: str | None = None, progress=None, check_hub: bool = False) -> Path:
     """A hub repo's config, tokenizer and safetensors: from the HF cache when all are there

@@ -20,6 +20,7 @@ import errno
 import fnmatch
 import hashlib
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,8 +88,17 @@ def download(repo_id: str, revision: str | None = None, progress: Progress | Non
         return hit
     files = [s for s in info.siblings or [] if wanted(s.rfilename)]
     if not any(s.rfilename.endswith(".safetensors") for s in files):
+        if any(s.rfilename.lower().endswith(".gguf") for s in info.siblings or []):
+            raise ModelNotFound(f"{repo_id}: a repo of GGUF files; name one quant as {repo_id}:QUANT "
+                                f"(for example {repo_id}:Q4_K_M)")
         raise ModelNotFound(f"{repo_id}: the hub lists no .safetensors weights for it (localchat reads "
-                            "safetensors only); pick a repo that has them, or a local .gguf")
+                            "safetensors and GGUF only); pick a repo that has them, or a local .gguf")
+    return _fetch(repo_id, revision, info, files, progress, attempts, backoff)
+
+
+def _fetch(repo_id: str, revision: str | None, info, files: list, progress: Progress | None, attempts: int,
+           backoff: float) -> Path:
+    """`files` (hub siblings) into the cache at the listed commit; the snapshot folder."""
     total = sum(s.size or 0 for s in files)
     done, fetched = 0, False
     snapshot = None
@@ -101,6 +111,67 @@ def download(repo_id: str, revision: str | None = None, progress: Progress | Non
         snapshot = Path(str(path)[:-len(s.rfilename)])
     _remember_revision(repo_id, revision or "main", info.sha)
     return snapshot
+
+
+# a split GGUF's parts: name-00001-of-00003.gguf (llama.cpp's gguf-split)
+SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+def quant_files(repo_id: str, names: list[str], quant: str) -> list[str]:
+    """The file or split parts of one quant of a GGUF repo (llama.cpp's `repo:quant`): the
+    .gguf names holding `quant` as a whole tag, any case (Q4_K matches neither Q4_K_M nor
+    Q4_K_S); a vision projector (mmproj) is not a quant. One line where none or several match."""
+    ggufs = sorted(n for n in names if n.lower().endswith(".gguf") and "mmproj" not in n.lower())
+    tag = re.compile(rf"(^|[-_./ ]){re.escape(quant.upper())}([-./ ]|$)")
+    hit = [n for n in ggufs if tag.search(n.upper())]
+    groups = sorted({SPLIT.sub(".gguf", n) for n in hit})
+    if not hit:
+        held = ", ".join(sorted({SPLIT.sub(".gguf", n) for n in ggufs})[:12]) or "no .gguf file"
+        raise ModelNotFound(f"{repo_id}: no {quant} file in it (it holds {held}); name one of its quants")
+    if len(groups) > 1:
+        raise ModelNotFound(f"{repo_id}: {quant} names {len(groups)} files ({', '.join(groups)}); "
+                            "name the quant as its file spells it")
+    m = SPLIT.search(hit[0])
+    if m and len(hit) != int(m.group(2)):
+        raise ModelNotFound(f"{repo_id}: {groups[0]} is split in {int(m.group(2))} parts but the repo holds "
+                            f"{len(hit)}; the repo is incomplete")
+    return hit
+
+
+def download_gguf(repo_id: str, quant: str, revision: str | None = None, progress: Progress | None = None,
+                  attempts: int = ATTEMPTS, backoff: float = BACKOFF) -> Path:
+    """The path of one quant of a GGUF repo (its first part where split), fetched as download()
+    fetches: from the cache when there, else resumably, each file checked against its hash."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    try:
+        if constants.HF_HUB_OFFLINE or _truthy(os.environ.get("HF_HUB_OFFLINE")):
+            raise OfflineModeIsEnabled()
+        info = _retrying(lambda: HfApi().model_info(repo_id, revision=revision, files_metadata=True),
+                         repo_id, LISTING, attempts, backoff)
+    except OfflineModeIsEnabled:
+        hit = cached_gguf(repo_id, quant, revision)
+        if hit is None:
+            raise ModelNotFound(f"{repo_id}:{quant}: not in the local cache and HF_HUB_OFFLINE is set (offline); "
+                                "download it when online, or give a local path") from None
+        return hit
+    names = quant_files(repo_id, [s.rfilename for s in info.siblings or []], quant)
+    files = [s for s in info.siblings if s.rfilename in names]
+    return _fetch(repo_id, revision, info, files, progress, attempts, backoff) / names[0]
+
+
+def cached_gguf(repo_id: str, quant: str, revision: str | None = None) -> Path | None:
+    """One quant of a GGUF repo where the cache holds all of it (every part), else None."""
+    ref = _repo_dir(repo_id) / "refs" / (revision or "main")
+    try:
+        sha = ref.read_text().strip() if ref.is_file() else revision
+        snap = _repo_dir(repo_id) / "snapshots" / (sha or "")
+        if not sha or not snap.is_dir():
+            return None
+        names = quant_files(repo_id, [p.relative_to(snap).as_posix() for p in snap.rglob("*.gguf")], quant)
+    except (OSError, ModelNotFound):
+        return None
+    return snap / names[0] if all((snap / n).is_file() for n in names) else None
 
 
 def _remember_revision(repo_id: str, revision: str, sha: str) -> None:

@@ -47,7 +47,7 @@ def read(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
     value is a number, a string, a list of numbers, or for an array of strings (a
     vocabulary, its merges) their count: walking them is all a table needs, and building
     every string of a large vocabulary took gguf-py's reader seconds a read."""
-    path = Path(path).resolve()
+    path = Path(path).absolute()          # not resolved: a split part in the HF cache links to a blob
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
     with _read_lock:
@@ -72,7 +72,32 @@ class GGUFError(ValueError):
     """Not a GGUF file this reader knows, or one cut short."""
 
 
+def shards(path: Path) -> list[Path]:
+    """The files of a GGUF model: the one given, or every part of a split one
+    (name-00001-of-00003.gguf, llama.cpp's gguf-split), from whichever part is given."""
+    import re
+    m = re.search(r"-(\d{5})-of-(\d{5})\.gguf$", path.name, re.IGNORECASE)
+    if m is None:
+        return [path]
+    stem = path.name[:m.start()]
+    parts = [path.with_name(f"{stem}-{i:05d}-of-{m.group(2)}.gguf") for i in range(1, int(m.group(2)) + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise GGUFError(f"split part {missing[0]} is missing beside it")
+    return parts
+
+
 def _read(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    """The metadata of the first part and the tensors of every part."""
+    meta, tensors = {}, {}
+    for i, part in enumerate(shards(path)):
+        m, t = _read_one(part)
+        meta = m if i == 0 else meta
+        tensors.update(t)
+    return meta, tensors
+
+
+def _read_one(path: Path) -> tuple[dict, dict[str, Tensor]]:
     import struct
     import warnings
 

@@ -15,9 +15,13 @@ def is_repo_id(name: str | None) -> bool:
 
 def cached(repo: str):
     """The repo's complete snapshot in the Hugging Face cache (a Path), or None."""
-    from engine.checkpoint import validate_dir
+    from engine.checkpoint import split_quant, validate_dir
     from engine.download import cached as in_cache
+    from engine.download import cached_gguf
     try:
+        name, quant = split_quant(repo)
+        if quant:                               # one quant of a GGUF repo: its file, all parts there
+            return cached_gguf(name, quant)
         path = in_cache(repo)
         if path is None:
             return None
@@ -62,6 +66,14 @@ def fetch(name: str, check_hub: bool = False, progress=None) -> Path:
     from .download_bar import DownloadBar
     if is_local(name):
         return checkpoint.resolve(name).path
+    repo, quant = checkpoint.split_quant(name)
+    if quant:                                   # one quant of a GGUF repo: its file
+        bar = progress or DownloadBar(name)
+        try:
+            return checkpoint.download_gguf(repo, quant, progress=bar, check_hub=check_hub and not offline())
+        finally:
+            if progress is None:
+                bar.close()
     hit = cached(name) if offline() or not check_hub else None
     if hit:
         return hit

@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="every model, its size and caches, the profile the planner picks here (default)")
     for q in (p, ls):
         q.add_argument("--json", action="store_true", help="the list as JSON, sizes in bytes")
-    pull = sub.add_parser("pull", help="download a hub model (config, tokenizer, safetensors) and nothing else")
-    pull.add_argument("repo", metavar="REPO")
+    pull = sub.add_parser("pull", help="download a hub model (config, tokenizer, safetensors) and nothing else, "
+                                       "or one quant of a GGUF repo as REPO:QUANT (its split parts too)")
+    pull.add_argument("repo", metavar="REPO[:QUANT]")
     rm = sub.add_parser("rm", help="remove a model and every cache derived from it")
     rm.add_argument("name", metavar="NAME", help="as `localchat models` lists it")
     rm.add_argument("--yes", "-y", action="store_true", help="do not ask")
