@@ -8,7 +8,9 @@ embeddings), random bf16 weights (seeded), the demo model's tokenizer (49152 ent
 Qwen3.5 tokenizer can be fetched here; 1.47 B parameters with it), saved with
 `save_pretrained` as Qwen3_5ForCausalLM. llama.cpp reads GGUFs written from it by its own
 converter (arch qwen35) and quantizer (Q4_1), as benchmarks/moe_shape.py makes them. Ours
-reads the checkpoint in bf16, and int4 in groups of 32 quantized from it. Same prompt,
+reads the checkpoint in bf16, and int4 in groups of 32 quantized from it; in the gguf-*
+rows (gguf-q4km, gguf-q6k, gguf-iq4xs, gguf-q8) the same file llama.cpp reads, from its
+blocks (resident-gguf). Same prompt,
 greedy, 2 threads each; one row (a format) at a time; rounds interleaved within a row,
 medians; the read bound from the read rate measured around each row.
 

@@ -45,8 +45,12 @@ SHAPE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, he
              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
              moe_intermediate_size=512, shared_expert_intermediate_size=512, rms_norm_eps=1e-6,
              tie_word_embeddings=False, max_position_embeddings=4096)
+# row: (how ours opens the model, the GGUF llama.cpp reads); {"gguf": True}: ours opens that
+# same file too, and runs its blocks (resident-gguf)
 ROWS = {"bf16": ({"dtype": "bfloat16"}, "BF16"), "q8": ({"profile": "resident-int8"}, "Q8_0"),
-        "q4": ({"profile": "resident-int4"}, "Q4_1")}
+        "q4": ({"profile": "resident-int4"}, "Q4_1"),
+        "gguf-q4km": ({"gguf": True}, "Q4_K_M"), "gguf-q6k": ({"gguf": True}, "Q6_K"),
+        "gguf-iq4xs": ({"gguf": True}, "IQ4_XS"), "gguf-q8": ({"gguf": True}, "Q8_0")}
 LLAMA_VERSION = "0.3.36"
 
 
@@ -150,14 +154,15 @@ def race(hf: Path, files: dict, only: list[str], cache: Path, rounds: int, token
     out_rows, samples_all, rates = [], {}, []
     for r in only:
         kw, fmt = ROWS[r]
-        eng = open_ours({"model": str(hf), **kw}, cache)
+        kw = {"model": str(files[fmt])} if kw.get("gguf") else {"model": str(hf), **kw}
+        eng = open_ours(kw, cache)
         llm = Llama(model_path=str(files[fmt]), n_ctx=1024, n_batch=512, n_threads=threads,
                     n_threads_batch=threads, verbose=False)
         ids = render_prompt(eng.tokenizer, [{"role": "user", "content": PROMPT}])
         contenders = {f"ours {r}": (ours_once, eng), f"llama.cpp {fmt}": (llama_once, llm)}
         if modules:
             os.environ["LOCALCHAT_HYBRID_KERNEL"] = "off"
-            contenders[f"modules {r}"] = (ours_once, open_ours({"model": str(hf), **kw}, cache))
+            contenders[f"modules {r}"] = (ours_once, open_ours(kw, cache))
             del os.environ["LOCALCHAT_HYBRID_KERNEL"]
         samples, bw, fig = interleaved(contenders, ids, tokens, -1, rounds)
         ours, peer = fig(f"ours {r}"), fig(f"llama.cpp {fmt}")

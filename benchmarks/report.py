@@ -95,10 +95,34 @@ def peers_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def gguf_table(d: dict) -> str:
+    """GGUF files run as stored, ours against llama.cpp on the same file (benchmarks/gguf_peers.py)."""
+    lines = ["| file | its matrices | decode tok/s: localchat | llama.cpp | **ratio** | prefill tok/s: localchat "
+             "| llama.cpp | **ratio** |", "|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        o, p = r["ours"], r["llama_cpp"]
+        mix = ", ".join(f"{k} {n}" for k, n in r["formats"].items())
+        lines.append(f"| {r['format']} | {mix} | {o['decode_tps']:.1f} | {p['decode_tps']:.1f} | "
+                     f"**{r['decode_ratio']:.2f}×** | {o['prefill_tps']:.0f} | {p['prefill_tps']:.0f} | "
+                     f"**{r['prefill_ratio']:.2f}×** |")
+    return "\n".join(lines)
+
+
+def gguf_fidelity_table(d: dict) -> str:
+    """Each engine against the file's own weights run exactly (benchmarks/gguf_fidelity.py)."""
+    lines = ["| file | tokens | KL: localchat | llama.cpp | top-1: localchat | llama.cpp |", "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        o, p = r["ours"], r["llama_cpp"]
+        lines.append(f"| {r['format']} | {o['tokens']} | {o['mean_kl']:.1e} | {p['mean_kl']:.1e} | "
+                     f"{o['top1_agreement']:.2%} | {p['top1_agreement']:.2%} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     for name, render in (("peers.json", peers_table), ("peers-xeon.json", peers_table), ("decode.json", decode_table),
                          ("speculative.json", speculative_table), ("speculative-bf16.json", speculative_table),
-                         ("speculative-self-int4.json", speculative_table), ("streamed.json", streamed_table)):
+                         ("speculative-self-int4.json", speculative_table), ("streamed.json", streamed_table),
+                         ("gguf_peers.json", gguf_table), ("gguf_fidelity.json", gguf_fidelity_table)):
         path = RESULTS / name
         if path.is_file():
             d = json.loads(path.read_text())
