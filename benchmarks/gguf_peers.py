@@ -29,9 +29,9 @@ import engine.openmp  # noqa: E402,F401  (before torch loads libgomp: the spin l
 import torch  # noqa: E402
 
 import engine  # noqa: E402
-from common import machine, median, read_bandwidth, write_json  # noqa: E402
+from common import machine, write_json  # noqa: E402
 from engine import checkpoint  # noqa: E402
-from engine.gguf_file import read  # noqa: E402
+from engine.gguf_reader import read  # noqa: E402
 from engine.session import render_prompt  # noqa: E402
 from peers import PROMPT, interleaved, llama_once, ours_once  # noqa: E402
 

@@ -80,7 +80,7 @@ def resolve(model: str | None, cache_dir: Path | None = None) -> Checkpoint:
 
 def _first_part(path: Path) -> Path:
     """A split GGUF's first part (its metadata lives there), from whichever part is named."""
-    from .gguf_file import GGUFError, shards
+    from .gguf_reader import GGUFError, shards
     try:
         return shards(path)[0]
     except GGUFError as exc:
@@ -410,9 +410,9 @@ def unwritable(folder: Path, exc: Exception, what: str) -> str:
 
 
 def _gguf_read(gguf: Path):
-    """(fields, tensors) of a GGUF file, read once and kept (engine/gguf_file.read): parsing
+    """(fields, tensors) of a GGUF file, read once and kept (engine/gguf_reader.read): parsing
     a large vocabulary's metadata takes seconds, and an import asks for it several times."""
-    from .gguf_file import read
+    from .gguf_reader import read
     return read(gguf)
 
 
@@ -575,7 +575,7 @@ def _write_gguf_weights(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from . import gguf_config
-    from .gguf_file import shards
+    from .gguf_reader import shards
     arch = _gguf_read(gguf)[0]["general.architecture"]
     if len(shards(gguf)) > 1:
         raise CheckpointError(f"{gguf}: a split GGUF runs from its own blocks only (the resident-gguf profile); "

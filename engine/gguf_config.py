@@ -57,7 +57,7 @@ CONFIGS = {"qwen3next": qwen3next}
 
 def config(fields, tensor_names):
     """The transformers config of a file of an architecture in CONFIGS (`fields`: its
-    metadata as engine/gguf_file.read gives it)."""
+    metadata as engine/gguf_reader.read gives it)."""
     from transformers import AutoConfig
     built = CONFIGS[fields["general.architecture"]](fields, set(tensor_names))
     return AutoConfig.for_model(built.pop("model_type"), **built)

@@ -226,7 +226,7 @@ class ModelShape:
         its parameters and bytes from the file's tensor table (no weight is read). Counted
         as a float32 checkpoint of the same weights (what the other profiles load: the
         import's dequantized copy), and as the file's bytes for resident-gguf."""
-        from .gguf_file import read
+        from .gguf_reader import read
         where = Path(config_dir) / "config.json"
         try:
             cfg = json.loads(where.read_text(encoding="utf-8"))

@@ -326,7 +326,7 @@ def _gguf_text(gguf) -> str:
     whether they run as stored here."""
     from collections import Counter
 
-    from engine.gguf_file import read
+    from engine.gguf_reader import read
     from engine.targets.gguf_target import gguf_why_not
     _, tensors = read(gguf)
     kinds = Counter(t.kind for t in tensors.values() if len(t.shape) >= 2)

@@ -140,7 +140,7 @@ def _format(ckpt: Path | None) -> str:
     gguf = checkpoint.gguf_source(ckpt)
     try:
         if gguf is not None:
-            from engine.gguf_file import read
+            from engine.gguf_reader import read
             _, tensors = read(gguf)
             kinds = Counter(t.kind for t in tensors.values() if len(t.shape) >= 2)
             return "GGUF " + "+".join(k for k, _ in kinds.most_common(2))

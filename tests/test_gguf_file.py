@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 
 from engine import checkpoint
-from engine.gguf_file import GGUFWeight, hf_rows, read
+from engine.gguf_file import GGUFWeight, dense, hf_rows
+from engine.gguf_reader import read
 from engine.kernels import gguf_kernel
 
 pytestmark = [pytest.mark.demo,
@@ -38,13 +39,13 @@ def test_every_matrix_is_the_imported_weight_in_the_checkpoints_row_order(demo):
             if ours in ("attn_q", "attn_k"):
                 w = GGUFWeight.of(t, rows=[hf_rows(t.shape[0], heads if ours == "attn_q" else kv_heads)]).dense()
             else:
-                w = t.dense()
+                w = dense(t)
             assert torch.equal(w, want), (i, ours)
     embed = tensors["token_embd.weight"]
     assert embed.kind in gguf_kernel.TYPES                       # a quantized embedding, read, not dropped
     ids = torch.tensor([0, 1, 17, 49151, 17])
     assert torch.equal(GGUFWeight.of(embed).rows(ids), hf["model.embed_tokens.weight"][ids])
-    assert torch.equal(tensors["output_norm.weight"].dense(), hf["model.norm.weight"])
+    assert torch.equal(dense(tensors["output_norm.weight"]), hf["model.norm.weight"])
 
 
 def test_a_fused_weight_multiplies_as_its_parts(demo):

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModel
-from ..gguf_file import GGUFWeight, read
+from ..gguf_file import GGUFWeight, dense
+from ..gguf_reader import read
 from ..kernels import gguf_kernel
 from ..models import hf_forward
 from . import module_quant
@@ -183,7 +184,7 @@ def _fill(model: nn.Module, cfg, tensors: dict, gguf: Path) -> None:
             for leaf, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
                 linear(mlp, leaf, b + name + ".weight")
         else:                                              # a sparse block: router, experts, shared expert
-            mlp.gate.weight = nn.Parameter(take(b + "ffn_gate_inp.weight").dense().contiguous(), requires_grad=False)
+            mlp.gate.weight = nn.Parameter(dense(take(b + "ffn_gate_inp.weight")).contiguous(), requires_grad=False)
             mlp.experts = _experts(mlp.experts, *(take(b + f"ffn_{w}_exps.weight") for w in ("gate", "up", "down")),
                                    gguf)
             for leaf, name in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"),

@@ -19,7 +19,8 @@ import torch
 
 from .. import checkpoint as _checkpoint
 from ..errors import BadWeights, UnsupportedModel
-from ..gguf_file import GGUFWeight, hf_rows, read
+from ..gguf_file import GGUFWeight, dense, hf_rows
+from ..gguf_reader import read
 from ..kernels import gguf_kernel
 from ..models import llama_family
 from . import gguf_modules
@@ -72,15 +73,15 @@ class GGUFTarget(ResidentTarget):
             order = [hf_rows(t.shape[0], H if ".attn_q." in t.name else KV)
                      if interleaved and (".attn_q." in t.name or ".attn_k." in t.name) else None for t in parts]
             if all(t.kind == "F32" for t in parts):
-                dense = [t.dense() if r is None else t.dense()[r] for t, r in zip(parts, order)]
-                return llama_family.aligned(torch.cat(dense) if len(dense) > 1 else dense[0].clone()).t()
+                values = [dense(t) if r is None else dense(t)[r] for t, r in zip(parts, order)]
+                return llama_family.aligned(torch.cat(values) if len(values) > 1 else values[0].clone()).t()
             unsupported = [f"{t.name} ({t.kind})" for t in parts if t.kind not in gguf_kernel.TYPES]
             if unsupported:
                 raise UnsupportedModel(f"{gguf}: no kernel for {', '.join(unsupported)} yet")
             return GGUFWeight.of(*parts, rows=order)
 
         def vector(name: str) -> torch.Tensor | None:
-            return tensors[name].dense().contiguous() if name in tensors else None
+            return dense(tensors[name]).contiguous() if name in tensors else None
 
         def bias(*names: str) -> torch.Tensor | None:
             found = [vector(n) for n in names]
