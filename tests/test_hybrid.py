@@ -217,8 +217,8 @@ def test_another_hybrid_family_lfm2_through_the_generic_path(tmp_path, tokenizer
 def test_gguf_import_of_a_hybrid_and_a_clear_refusal_of_one_transformers_cannot_read(tmp_path, tokenizer):
     """A hybrid whose GGUF form transformers reads (LFM2) imports once into safetensors and
     answers exactly as the checkpoint it was written from (float32: lossless). A GGUF of
-    an architecture transformers cannot read (Qwen3.5's qwen35) is one line naming the file
-    and what to use instead."""
+    an architecture neither transformers nor localchat reads (Jamba's) is one line naming
+    the file and what to use instead (Qwen3.5's GGUFs: tests/test_gguf_hybrid.py)."""
     import gguf
     from gguf_writer import write_gguf
     src = build_model(tmp_path / "lfm2", "lfm2", layers=4, tokenizer=tokenizer, seed=8)
@@ -229,14 +229,14 @@ def test_gguf_import_of_a_hybrid_and_a_clear_refusal_of_one_transformers_cannot_
     for prompt in PROMPTS[:2]:
         got = list(eng.chat().send(prompt, max_new_tokens=24))[-1].token_ids
         assert got == list(ref.chat().send(prompt, max_new_tokens=24))[-1].token_ids
-    other = tmp_path / "qwen35.gguf"
-    w = gguf.GGUFWriter(str(other), "qwen35")
+    other = tmp_path / "jamba.gguf"
+    w = gguf.GGUFWriter(str(other), "jamba")
     w.add_block_count(4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(engine.EngineError, match=r"qwen35.gguf: transformers .* cannot read GGUF files of the qwen35 "
+    with pytest.raises(engine.EngineError, match=r"jamba.gguf: transformers .* cannot read GGUF files of the jamba "
                                                  r"architecture; use the model's safetensors checkpoint"):
         engine.open(str(other), drafter="none", cache_dir=tmp_path / "cache")
 

@@ -130,7 +130,7 @@ class GGUFModulesTarget(ResidentTarget):
         self.impl = hf_forward.HFForward(model, self.cache)
         self.kind = "gguf"
         self.fallback_reason = None
-        self.formats = Counter(t.kind for t in tensors.values() if len(t.shape) == 2)
+        self.formats = Counter(t.kind for t in tensors.values() if len(t.shape) >= 2)      # experts are 3-D
         self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
 
 
