@@ -7,9 +7,10 @@ order (the same bytes, moved).
 Steps and verify passes multiply through the block kernels (every row a lone row, so
 speculation is exact by construction); a prefill decodes each weight into a reused buffer
 for the GEMM. A file of float matrices (F32, F16) holds them as plain tensors, which the C
-layer kernels run. Not yet wired to engine.open(): `load_gguf` takes the file and the
-config of its import (engine/checkpoint.import_gguf). Tested on llama and qwen3 files
-written by llama.cpp's converter; qwen2's biases are mapped, untested."""
+layer kernels run. `load_gguf` (the resident-gguf profile, from engine.open) takes the file
+and the config of its import (engine/checkpoint.import_gguf), and hands a hybrid's file to
+gguf_modules.py. Tested on llama and qwen3 files written by llama.cpp's converter; qwen2's
+biases are mapped, untested."""
 from __future__ import annotations
 
 from collections import Counter
