@@ -19,8 +19,9 @@ from .gguf_reader import Tensor
 from .kernels import gemm, gguf_kernel
 
 # A prefill of more rows than this decodes the weight and runs the GEMM: the block kernels
-# are matrix-vector kernels, one pass over the weight per row of x (four rows a pass).
-PREFILL_KERNEL_ROWS = 8
+# pass over the weight once per four rows of x, and below about this many rows that costs
+# less than decoding the whole weight to float32 (benchmarks/results/gguf_prefill_rows.json).
+PREFILL_KERNEL_ROWS = 48
 _buf = threading.local()                # the decoded weight of a prefill's product, one per thread
 
 

@@ -100,8 +100,11 @@ def test_a_q8_0_file_is_its_dequantized_weights_within_rounding(files):
         assert "one C call" in info["experts"]                                # the experts' blocks in C
     exact = _open(f, "dequantized")
     for got, want in zip(_logits(eng), _logits(exact)):
-        # the same float32 weights summed in another order: a mapping error would be O(1)
-        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+        # the same float32 weights, the activations rounded to 16 bits inside the block
+        # products (about 1e-5 of a product) and everything summed in another order; a
+        # router's near-tie may pick another expert from so small a change, which moves a
+        # tiny random model's logits by about a percent: a mapping error would be O(1)
+        assert (got - want).abs().max() <= 5e-2 * want.abs().max()
 
 
 def test_steps_in_c_are_what_the_modules_compute(files, monkeypatch):
@@ -115,7 +118,9 @@ def test_steps_in_c_are_what_the_modules_compute(files, monkeypatch):
     monkeypatch.setenv("LOCALCHAT_HYBRID_KERNEL", "off")
     modules = _logits(_open(f, "q8_0"))
     for c, m in zip(in_c[1:], modules[1:]):
-        assert (c - m).abs().max() <= 1e-4 * m.abs().max()
+        # the same products; float operations in another order may leave a value a last bit
+        # apart, and so a code apart where the products round it to 16 bits
+        assert (c - m).abs().max() <= 1e-3 * m.abs().max()
 
 
 def test_verify_rows_are_steps_and_speculation_is_plain_greedy(files):

@@ -1,6 +1,6 @@
 """The GGUF block kernels (engine/kernels/gguf.c): every format's blocks decode to exactly
 the weights gguf-py reads from the same bytes; products equal those weights times the input
-within float32 summation's bound; and every row of a pass is a lone row, bit for bit, at
+rounded to 16 bits per 32 values, within float32 summation's bound; and every row of a pass is a lone row, bit for bit, at
 any width a verify pass has and on 1 or 2 threads. Random valid blocks: random codes and
 scale bytes, finite half-float scales."""
 import numpy as np
@@ -42,17 +42,32 @@ def test_products_are_the_weights_times_x_and_every_row_a_lone_row(name, threads
         N, K = 37, 3 * 256
         w = gguf_kernel.random_blocks(name, N, K, g)
         ref = _file_weights(w, name, K).double()
-        x = torch.randn(65, K, generator=g)
+        x = torch.randn(65, K, generator=g) * torch.rand(65, K // 32, 1, generator=g).expand(65, K // 32, 32).reshape(65, K)
+        x[3, 64:96] = 0                                                   # an all-zero chunk
         lone = torch.cat([gguf_kernel.linear(x[m:m + 1], w, name, K) for m in range(65)])
-        want = x.double() @ ref.t()
-        bound = K * 2.0 ** -24 * (x.double().abs() @ ref.abs().t())      # float32 sums of K products
+        xr = gguf_kernel.rounded_activations(x)
+        want = xr @ ref.t()
+        bound = 2 * K * 2.0 ** -24 * (xr.abs() @ ref.abs().t())          # float32 sums of K products
         assert ((lone.double() - want).abs() <= bound).all()
+        # x rounded to 16 bits is within about half a step, 1/65534 of its chunk's largest value
+        largest = x.abs().view(65, -1, 32).amax(-1, keepdim=True).expand(65, K // 32, 32).reshape(65, K)
+        assert ((xr - x.double()).abs() <= largest.double() / 65534 * 1.01).all()
         for M in (2, 3, 5, 9, 17, 33, 65):                             # verify widths: each row a lone row
             assert torch.equal(gguf_kernel.linear(x[:M], w, name, K), lone[:M]), M
         assert torch.equal(gguf_kernel.linear(x[:4].bfloat16(), w, name, K),
                            gguf_kernel.linear(x[:4].bfloat16().float(), w, name, K))
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_non_finite_input_reaches_the_outputs():
+    w = gguf_kernel.random_blocks("Q4_K", 3, 512, torch.Generator().manual_seed(1))
+    x = torch.randn(2, 512)
+    x[1, 300] = float("nan")
+    y = gguf_kernel.linear(x, w, "Q4_K", 512)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+    x[1, 300] = float("inf")
+    assert not torch.isfinite(gguf_kernel.linear(x, w, "Q4_K", 512)[1]).any()
 
 
 def test_a_row_of_part_of_a_block_is_refused():

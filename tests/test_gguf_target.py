@@ -123,8 +123,10 @@ def test_steps_run_in_one_call_of_c_as_the_torch_operations_compute_them(targets
         finally:
             impl._stack = stack
             impl.cache.rollback(0)
+    # the products round activations to 16 bits: where the two orders of float operations
+    # leave a value a last bit apart, it may round to the neighbouring code
     for c, o in zip(in_c, ops):
-        assert (c - o).abs().max() <= 1e-4 * o.abs().max()
+        assert (c - o).abs().max() <= 1e-3 * o.abs().max()
 
 
 def test_a_gguf_file_opens_as_stored_and_its_float_copy_is_written_only_when_asked(tmp_path):

@@ -8,14 +8,15 @@
  * so no compiler fuses them), so the weights are the file's own to the bit.
  *
  * gguf_linear_f32: y[m, n] = sum_k x[m, k] w[n, k] for a few float32 rows of x (one-token
- * steps and verify passes). Activations stay in float32: llama.cpp rounds them to 8 bits
- * for its integer dot products, we do not. A block is unpacked once to its integer codes and
- * per-group scales (unpack_*), shared by all the rows of x; a group's codes, widened to
- * float, are multiplied with x in one FMA chain, and the chain's sum scaled once, so a
- * weight's scale is applied per group rather than per weight (the weights are the file's,
- * the rounding float32's). A thread takes a range of weight rows, and every output is one
- * fixed sequence of instructions owned by one thread, whatever the number of rows or
- * threads: a verify pass's rows are one-token steps bit for bit.
+ * steps, verify passes, short prefills). Each row of x is first rounded to 16-bit integers
+ * per 32 values with a float scale (gg_quantize_row: within 1/65534 of the chunk's largest
+ * value, where llama.cpp rounds activations to 8 bits, 1/254); a block is unpacked once to
+ * its integer codes and per-group scales (unpack_*), shared by all the rows of x; codes and
+ * activations are multiplied in integers, exactly, 32 at a time, and each chunk's integer
+ * sum scaled once in float (the weights are the file's, the rounding the activations' and
+ * float32's). A thread takes a range of weight rows, and every output is one fixed sequence
+ * of instructions owned by one thread, whatever the number of rows or threads: a verify
+ * pass's rows are one-token steps bit for bit.
  *
  * gguf_dequant_f32: rows [n0, n1) decoded into float32, for a prefill's GEMM. */
 #include <math.h>
@@ -254,8 +255,22 @@ static inline __attribute__((always_inline)) const int8_t *unpack_iq4_xs(const u
 }
 
 typedef void (*decode_fn)(const uint8_t *, float *);
-typedef void (*dot_fn)(const uint8_t *, int, const float *, int64_t, const float *, int64_t, int, int, float *,
-                       int64_t, int);
+
+/* A few rows of x, each rounded to 16-bit integers per 32 values: value j of chunk c is
+ * s[c] * q[j], s[c] = (largest |x| of the chunk) / GG_XR, q[j] = x[j] / s[c] rounded to
+ * the nearest (even) integer; a chunk's 32 codes are stored in the order AVX2's byte
+ * unpacking widens 32 weight codes to 16 bits (0..7, 16..23, 8..15, 24..31), so a weight
+ * chunk meets its activations without a shuffle. xs[g]: s[c] times the sum of the codes of
+ * group g (16 or 32 values), for the formats whose groups have offsets. A non-finite value
+ * makes its chunk's scale NaN, so NaN reaches the outputs it touches, as float32 would. */
+#define GG_XR 32767
+typedef struct {
+    const int16_t *q;
+    const float *s, *xs;
+    int64_t ldq, lds, ldxs;             /* per row */
+} GGX;
+
+typedef void (*dot_fn)(const uint8_t *, int, const GGX *, int, int, float *, int64_t, int);
 
 /* a fixed-order sum of 8 lanes (as the AVX2 build's vf_sum) */
 static inline float sum8(__m256 v) {
@@ -265,6 +280,135 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(t);
 }
 
+static inline int hsum_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
+
+/* one row of K values (K a multiple of 32) into q, s and, with G (16 or 32) nonzero, xs */
+static void gg_quantize_row(const float *x, int K, int G, int16_t *q, float *s, float *xs) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int c = 0; c < K / 32; c++) {
+        const float *xc = x + 32 * c;
+        const __m256 a0 = _mm256_loadu_ps(xc), a1 = _mm256_loadu_ps(xc + 8), a2 = _mm256_loadu_ps(xc + 16),
+                     a3 = _mm256_loadu_ps(xc + 24);
+        const __m256 mv = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a0, absmask), _mm256_and_ps(a1, absmask)),
+                                        _mm256_max_ps(_mm256_and_ps(a2, absmask), _mm256_and_ps(a3, absmask)));
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_max_ss(t, _mm_movehdup_ps(t));
+        const float mx = _mm_cvtss_f32(t);
+        /* max_ps drops a NaN operand in one position only: check every value */
+        const __m256 finite = _mm256_set1_ps(3.4028235e38f);
+        const int bad = _mm256_movemask_ps(_mm256_or_ps(
+            _mm256_or_ps(_mm256_cmp_ps(_mm256_and_ps(a0, absmask), finite, _CMP_NLE_UQ),
+                         _mm256_cmp_ps(_mm256_and_ps(a1, absmask), finite, _CMP_NLE_UQ)),
+            _mm256_or_ps(_mm256_cmp_ps(_mm256_and_ps(a2, absmask), finite, _CMP_NLE_UQ),
+                         _mm256_cmp_ps(_mm256_and_ps(a3, absmask), finite, _CMP_NLE_UQ))));
+        const float inv = mx > 0.f && !bad ? (float)GG_XR / mx : 0.f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, iv)),
+                      i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, iv));
+        /* packs interleaves 128-bit halves: [i0 lo, i2 lo] with [i0 hi, i2 hi] gives 0..7, 16..23 */
+        _mm256_storeu_si256((__m256i *)(q + 32 * c), _mm256_packs_epi32(_mm256_permute2x128_si256(i0, i2, 0x20),
+                                                                        _mm256_permute2x128_si256(i0, i2, 0x31)));
+        _mm256_storeu_si256((__m256i *)(q + 32 * c + 16), _mm256_packs_epi32(_mm256_permute2x128_si256(i1, i3, 0x20),
+                                                                             _mm256_permute2x128_si256(i1, i3, 0x31)));
+        s[c] = bad ? NAN : mx / (float)GG_XR;
+        if (G == 32) xs[c] = s[c] * (float)hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+        if (G == 16) {
+            xs[2 * c] = s[c] * (float)hsum_epi32(_mm256_add_epi32(i0, i1));
+            xs[2 * c + 1] = s[c] * (float)hsum_epi32(_mm256_add_epi32(i2, i3));
+        }
+    }
+}
+
+/* a chunk's 8 scales (group scale times the chunk's activation scale) for chunk c of a block:
+ * groups of 32 one scale, groups of 16 the low four lanes the first group's, the high four
+ * the second's (the order the unpacking leaves the sums in) */
+static inline __m256 chunk_scales(const float *sc, int c, int G) {
+    if (G == 32) return _mm256_broadcast_ss(sc + c);
+    const __m256 two = _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc + 2 * c))));
+    return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+/* gg_dot_<format>: y[m0 + m, n] for m < mb, weight row n (K weights at wr) against x rows
+ * m0... A block is unpacked once to its int8 codes and per-group scales and offsets, shared
+ * by the rows. Per chunk of 32 weights, the codes are widened to 16 bits and multiplied with
+ * the activations' codes in integers (AVX2's pmaddwd: 32 products into 8 sums, exact), the
+ * sums converted to float and scaled by the group's scale times the chunk's activation scale.
+ * Even and odd chunks accumulate apart (two chains, so the next chunk need not wait for the
+ * last one's sum), added at the end. A group's offset m[g] meets xs[g]: eight groups a fused
+ * vector product-sum where a block has eight or sixteen, else one fused scalar product-sum.
+ * So a product is the file's weights times x rounded to 16 bits, summed in float32. One body
+ * per row count (MROWS, a constant), so the accumulators stay in registers; one fixed
+ * sequence per output, whatever mb or the thread. */
+#define GG_DOT(NAME, TYPE, BS, BYTES, G, OFFSETS)                                                                    \
+static inline __attribute__((always_inline)) void gg_block_##NAME(                                               \
+        const uint8_t *wr, int k0, const GGX *x, int m0, const int MROWS, const int odd, __m256 (*acc)[2],       \
+        __m256 *offv, float *off) {                                                                              \
+    enum { NG = (BS) / (G), NC = (BS) / 32, VEC_OFF = (OFFSETS) && NG % 8 == 0 };                                \
+    int8_t q[BS] __attribute__((aligned(64)));                                                                   \
+    float d[NG], off_g[NG], sc[GG_MB][NG];                                                                       \
+    const int8_t *cq = unpack_##NAME(wr, q, d, off_g);                                                           \
+    for (int m = 0; m < MROWS; m++) {                                                                            \
+        const float *s = x->s + (int64_t)(m0 + m) * x->lds + k0 / 32;                                            \
+        if (NG == 8)                                                                                             \
+            _mm256_storeu_ps(sc[m], _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_loadu_ps(s)));                      \
+        else                                                                                                     \
+            for (int g = 0; g < NG; g++) sc[m][g] = d[g] * s[g * (G) / 32];                                      \
+    }                                                                                                            \
+    const __m256i zero = _mm256_setzero_si256();                                                                 \
+    _Pragma("GCC unroll 8")                                                                                      \
+    for (int c = 0; c < NC; c++) {                                                                               \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(cq + 32 * c));                                    \
+        const __m256i ext = (OFFSETS) ? zero : _mm256_cmpgt_epi8(zero, v);          /* codes >= 0 or signed */   \
+        const __m256i wa = _mm256_unpacklo_epi8(v, ext), wb = _mm256_unpackhi_epi8(v, ext);                     \
+        for (int m = 0; m < MROWS; m++) {                                                                        \
+            const int16_t *xq = x->q + (int64_t)(m0 + m) * x->ldq + k0 + 32 * c;                                 \
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wa, _mm256_loadu_si256((const __m256i *)xq)),  \
+                                               _mm256_madd_epi16(wb, _mm256_loadu_si256((const __m256i *)(xq + 16)))); \
+            __m256 *a = &acc[m][(odd + c) & 1];                                                                  \
+            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), chunk_scales(sc[m], c, G), *a);                          \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int m = 0; m < MROWS; m++) {                                                                            \
+        const float *xs = x->xs + (int64_t)(m0 + m) * x->ldxs + k0 / (G);                                        \
+        if (VEC_OFF)                                                                                             \
+            for (int g = 0; g < NG; g += 8)                                                                      \
+                offv[m] = _mm256_fmadd_ps(_mm256_loadu_ps(off_g + g), _mm256_loadu_ps(xs + g), offv[m]);         \
+        else if (OFFSETS)                                                                                        \
+            for (int g = 0; g < NG; g++) off[m] = fmaf(off_g[g], xs[g], off[m]);                                 \
+    }                                                                                                            \
+}                                                                                                                \
+static inline __attribute__((always_inline)) void gg_rows_##NAME(                                                \
+        const uint8_t *wr, int K, const GGX *x, int m0, const int MROWS, float *y, int64_t ldy, int n) {         \
+    enum { NC = (BS) / 32, VEC_OFF = (OFFSETS) && ((BS) / (G)) % 8 == 0 };                                       \
+    __m256 acc[GG_MB][2], offv[GG_MB];                                                                           \
+    float off[GG_MB];                                                                                            \
+    for (int m = 0; m < MROWS; m++) {                                                                            \
+        acc[m][0] = acc[m][1] = offv[m] = _mm256_setzero_ps();                                                   \
+        off[m] = 0.f;                                                                                            \
+    }                                                                                                            \
+    int k0 = 0;                                                                                                  \
+    for (; k0 + 2 * (BS) <= K; k0 += 2 * (BS), wr += 2 * (BYTES)) {    /* two blocks: chunk parity constant */  \
+        gg_block_##NAME(wr, k0, x, m0, MROWS, 0, acc, offv, off);                                                \
+        gg_block_##NAME(wr + (BYTES), k0 + (BS), x, m0, MROWS, NC & 1, acc, offv, off);                          \
+    }                                                                                                            \
+    if (k0 < K) gg_block_##NAME(wr, k0, x, m0, MROWS, 0, acc, offv, off);                                        \
+    for (int m = 0; m < MROWS; m++)                                                                              \
+        y[(int64_t)(m0 + m) * ldy + n] = sum8(_mm256_add_ps(acc[m][0], acc[m][1])) + (VEC_OFF ? sum8(offv[m]) : off[m]); \
+}                                                                                                                \
+static void gg_dot_##NAME(const uint8_t *wr, int K, const GGX *x, int m0, int mb, float *y, int64_t ldy, int n) { \
+    switch (mb) {                                                                                                \
+    case 1: gg_rows_##NAME(wr, K, x, m0, 1, y, ldy, n); break;                                                   \
+    case 2: gg_rows_##NAME(wr, K, x, m0, 2, y, ldy, n); break;                                                   \
+    case 3: gg_rows_##NAME(wr, K, x, m0, 3, y, ldy, n); break;                                                   \
+    default: gg_rows_##NAME(wr, K, x, m0, 4, y, ldy, n); break;                                                  \
+    }                                                                                                            \
+}
 /* VL int8 codes as float lanes, widened by a load from memory: written as an instruction of
  * its own because the compiler, seeing the codes just stored, moves them through registers
  * instead, a dozen shuffles a block that cost more than the arithmetic */
@@ -280,63 +424,6 @@ static inline vf codes(const int8_t *p) {
 #endif
 }
 
-/* gg_dot_<format>: y[m0 + m, n] for m < mb, weight row n (K weights at wr) against x rows
- * m0.. For each group of G weights, p = sum x * q in VL lanes (a fixed chain), then acc +=
- * d[g] * p; for formats with offsets, the groups' m[g] * xs[g] (xs: x summed over the
- * group, once per row) are summed apart: eight groups a fused vector product-sum where a
- * block has eight or sixteen, else one fused scalar product-sum a group (fused, so no
- * build's contraction flags change a bit). One body per row count (MROWS, a constant), so
- * the accumulators stay in registers. One fixed sequence per output, whatever mb or the
- * thread. */
-#define GG_DOT(NAME, TYPE, BS, BYTES, G, OFFSETS)                                                                    \
-static inline __attribute__((always_inline)) void gg_rows_##NAME(                                                \
-        const uint8_t *wr, int K, const float *x, int64_t ldx, const float *xs, int64_t ldxs, int m0, const int MROWS, \
-        float *y, int64_t ldy, int n) {                                                                          \
-    enum { NG = (BS) / (G), VEC_OFF = (OFFSETS) && NG % 8 == 0 };                                                \
-    int8_t q[BS] __attribute__((aligned(64)));                                                                   \
-    float d[NG], off_g[NG];                                                                                      \
-    vf acc[GG_MB];                                                                                               \
-    __m256 offv[GG_MB];                                                                                          \
-    float off[GG_MB];                                                                                            \
-    for (int m = 0; m < MROWS; m++) {                                                                               \
-        acc[m] = vf_zero();                                                                                      \
-        offv[m] = _mm256_setzero_ps();                                                                           \
-        off[m] = 0.f;                                                                                            \
-    }                                                                                                            \
-    for (int k0 = 0; k0 < K; k0 += (BS), wr += (BYTES)) {                                                        \
-        const int8_t *cq = unpack_##NAME(wr, q, d, off_g);                                                       \
-        for (int g = 0; g < NG; g++) {                                                                           \
-            const int at = k0 + g * (G);                                                                         \
-            vf w[(G) / VL];                                                                                      \
-            for (int c = 0; c < (G) / VL; c++) w[c] = codes(cq + g * (G) + c * VL);                             \
-            const vf dg = vf_set1(d[g]);                                                                         \
-            for (int m = 0; m < MROWS; m++) {                                                                       \
-                const float *xr = x + (int64_t)(m0 + m) * ldx + at;                                              \
-                vf p = vf_mul(vf_load(xr), w[0]);                                                                \
-                for (int c = 1; c < (G) / VL; c++) p = vf_fmadd(vf_load(xr + c * VL), w[c], p);                 \
-                acc[m] = vf_fmadd(dg, p, acc[m]);                                                                \
-                if ((OFFSETS) && !VEC_OFF)                                                                       \
-                    off[m] = fmaf(off_g[g], xs[(int64_t)(m0 + m) * ldxs + at / (G)], off[m]);                   \
-            }                                                                                                    \
-        }                                                                                                        \
-        if (VEC_OFF)                                                                                             \
-            for (int m = 0; m < MROWS; m++)                                                                         \
-                for (int g = 0; g < NG; g += 8)                                                                  \
-                    offv[m] = _mm256_fmadd_ps(_mm256_loadu_ps(off_g + g),                                        \
-                                              _mm256_loadu_ps(xs + (int64_t)(m0 + m) * ldxs + k0 / (G) + g), offv[m]); \
-    }                                                                                                            \
-    for (int m = 0; m < MROWS; m++)                                                                                 \
-        y[(int64_t)(m0 + m) * ldy + n] = vf_sum(acc[m]) + (VEC_OFF ? sum8(offv[m]) : off[m]);                   \
-}                                                                                                                \
-static void gg_dot_##NAME(const uint8_t *wr, int K, const float *x, int64_t ldx, const float *xs, int64_t ldxs,  \
-                          int m0, int mb, float *y, int64_t ldy, int n) {                                        \
-    switch (mb) {                                                                                                \
-    case 1: gg_rows_##NAME(wr, K, x, ldx, xs, ldxs, m0, 1, y, ldy, n); break;                                    \
-    case 2: gg_rows_##NAME(wr, K, x, ldx, xs, ldxs, m0, 2, y, ldy, n); break;                                    \
-    case 3: gg_rows_##NAME(wr, K, x, ldx, xs, ldxs, m0, 3, y, ldy, n); break;                                    \
-    default: gg_rows_##NAME(wr, K, x, ldx, xs, ldxs, m0, 4, y, ldy, n); break;                                   \
-    }                                                                                                            \
-}
 /* gg_decode_<format>: one block to its bs float32 weights, d[g] * q + m[g] with the product
  * and the sum each rounded (no fused multiply-add), which is how ggml and gguf-py compute
  * them: the file's own weights to the bit. */
@@ -382,28 +469,24 @@ int gguf_block(int type, int *bs, int *bytes) {
     return 1;
 }
 
-/* 0 on success, -1 for a type this file does not read or K not a whole number of blocks */
+/* 0 on success, -1 for a type this file does not read or K not a whole number of blocks, -2
+ * out of memory */
 int gguf_linear_f32(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, float *y,
                     int64_t ldy, int M, int N, int K, int threads) {
     Format f;
     if (!gg_format(type, &f) || K % f.bs) return -1;
-    const int G = f.group, ng = K / G;
-    float xs_stack[4096];
-    float *xs = f.offsets && (int64_t)M * ng > 4096 ? malloc(sizeof(float) * (size_t)M * (size_t)ng) : xs_stack;
-    if (!xs) return -2;
-    if (f.offsets)
-        for (int m = 0; m < M; m++)
-            for (int g = 0; g < ng; g++) {
-                const float *xr = x + (int64_t)m * ldx + (int64_t)g * G;
-                float s = 0.f;
-                for (int k = 0; k < G; k++) s += xr[k];
-                xs[(int64_t)m * ng + g] = s;
-            }
+    const int G = f.offsets ? f.group : 0, ng = G ? K / G : 0;
+    int16_t *q = malloc(sizeof(int16_t) * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(K / 32 + ng));
+    if (!q) return -2;
+    float *s = (float *)(q + (int64_t)M * K), *xs = s + (int64_t)M * (K / 32);
+    for (int m = 0; m < M; m++)
+        gg_quantize_row(x + (int64_t)m * ldx, K, G, q + (int64_t)m * K, s + (int64_t)m * (K / 32), xs + (int64_t)m * ng);
+    const GGX xq = {q, s, xs, K, K / 32, ng};
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int n = 0; n < N; n++)
         for (int m0 = 0; m0 < M; m0 += GG_MB)
-            f.dot(w + (int64_t)n * row_bytes, K, x, ldx, xs, ng, m0, M - m0 < GG_MB ? M - m0 : GG_MB, y, ldy, n);
-    if (xs != xs_stack) free(xs);
+            f.dot(w + (int64_t)n * row_bytes, K, &xq, m0, M - m0 < GG_MB ? M - m0 : GG_MB, y, ldy, n);
+    free(q);
     return 0;
 }
 

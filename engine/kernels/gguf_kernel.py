@@ -3,7 +3,9 @@ Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, 
 (blocks of 256). A weight is a uint8 tensor [N, row_bytes], each row K / block_size blocks,
 exactly the bytes of the file (a view into its memory map).
 
-linear(): one-token steps and verify passes, activations in float32, every row a lone row.
+linear(): one-token steps, verify passes and short prefills, every row a lone row: the
+file's weights times the activations rounded to 16 bits per 32 values (gguf.c), summed in
+float32.
 dequantize(): rows decoded to the file's own float32 weights, bit for bit what gguf-py's
 `gguf.quants.dequantize` gives, for a prefill's GEMM.
 
@@ -66,7 +68,22 @@ def _load() -> str:
         if not torch.equal(dequantize(w, name, 512), want):
             _lib[0] = None
             return f"its self-test blocks decoded wrong ({name})"
+        x = torch.randn(2, 512, generator=g)
+        ref = rounded_activations(x) @ want.double().t()
+        bound = 2 * 512 * 2.0 ** -24 * (rounded_activations(x).abs() @ want.double().abs().t())
+        if not ((linear(x, w, name, 512).double() - ref).abs() <= bound).all():
+            _lib[0] = None
+            return f"its self-test products came out wrong ({name})"
     return ""
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the products read it, in float64: per 32 values, s = largest |x| / 32767
+    and x / s rounded to the nearest (even) integer, computed in float32 as gguf.c does."""
+    c = x.float().reshape(x.shape[0], -1, 32)
+    mx = c.abs().amax(-1, keepdim=True)
+    inv = torch.where(mx > 0, torch.tensor(32767.0) / mx, torch.zeros_like(mx))
+    return ((c * inv).round().double() * (mx / 32767.0).double()).view(x.shape)
 
 
 def block(name: str) -> tuple[int, int]:

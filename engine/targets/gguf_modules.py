@@ -1,9 +1,10 @@
 """A Qwen3.5, Qwen3.5-MoE or Qwen3-Next GGUF file run from its own blocks: transformers' modules
 (models/hf_forward.py, as module_quant.py runs a hybrid's packed weights: PackedLinear,
 PackedEmbedding, PackedExperts) with every matrix a GGUFWeight, read
-where it lies in the file's memory map, activations in float32. One-token steps and verify
-passes run the hybrid layers in C over the blocks (models/hybrid_layers.py), a prefill
-decodes each weight into a reused buffer for the GEMM.
+where it lies in the file's memory map, activations in float32 (rounded to 16 bits inside
+the block products). One-token steps and verify passes run the hybrid layers in C over the
+blocks (models/hybrid_layers.py), a long prefill decodes each weight into a reused buffer for
+the GEMM.
 
 llama.cpp's converter changes a Qwen3.5 checkpoint in four ways (its conversion/qwen.py;
 transformers' integrations/gguf/gguf_conversion_mapping.py undoes the same), each undone
