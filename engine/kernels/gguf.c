@@ -37,7 +37,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
     X(q2_k, Q2_K, 256, 84, 16, 1) X(q3_k, Q3_K, 256, 110, 16, 0) X(q4_k, Q4_K, 256, 144, 32, 1)                   \
     X(q5_k, Q5_K, 256, 176, 32, 1) X(q6_k, Q6_K, 256, 210, 16, 0) X(iq4_xs, IQ4_XS, 256, 136, 32, 0)
 
+#ifndef GG_MB
 #define GG_MB 4                 /* rows of x per pass over a weight row */
+#endif
 
 static const int8_t kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -341,14 +343,15 @@ static inline __m256 chunk_scales(const float *sc, int c, int G) {
  * sums converted to float and scaled by the group's scale times the chunk's activation scale.
  * Even and odd chunks accumulate apart (two chains, so the next chunk need not wait for the
  * last one's sum), added at the end. A group's offset m[g] meets xs[g]: eight groups a fused
- * vector product-sum where a block has eight or sixteen, else one fused scalar product-sum.
+ * vector product-sum into the odd chain where a block has eight or sixteen, else one fused
+ * scalar product-sum apart.
  * So a product is the file's weights times x rounded to 16 bits, summed in float32. One body
  * per row count (MROWS, a constant), so the accumulators stay in registers; one fixed
  * sequence per output, whatever mb or the thread. */
 #define GG_DOT(NAME, TYPE, BS, BYTES, G, OFFSETS)                                                                    \
 static inline __attribute__((always_inline)) void gg_block_##NAME(                                               \
         const uint8_t *wr, int k0, const GGX *x, int m0, const int MROWS, const int odd, __m256 (*acc)[2],       \
-        __m256 *offv, float *off) {                                                                              \
+        float *off) {                                                                                            \
     enum { NG = (BS) / (G), NC = (BS) / 32, VEC_OFF = (OFFSETS) && NG % 8 == 0 };                                \
     int8_t q[BS] __attribute__((aligned(64)));                                                                   \
     float d[NG], off_g[NG], sc[GG_MB][NG];                                                                       \
@@ -378,28 +381,28 @@ static inline __attribute__((always_inline)) void gg_block_##NAME(              
         const float *xs = x->xs + (int64_t)(m0 + m) * x->ldxs + k0 / (G);                                        \
         if (VEC_OFF)                                                                                             \
             for (int g = 0; g < NG; g += 8)                                                                      \
-                offv[m] = _mm256_fmadd_ps(_mm256_loadu_ps(off_g + g), _mm256_loadu_ps(xs + g), offv[m]);         \
+                acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(off_g + g), _mm256_loadu_ps(xs + g), acc[m][1]);     \
         else if (OFFSETS)                                                                                        \
             for (int g = 0; g < NG; g++) off[m] = fmaf(off_g[g], xs[g], off[m]);                                 \
     }                                                                                                            \
 }                                                                                                                \
 static inline __attribute__((always_inline)) void gg_rows_##NAME(                                                \
         const uint8_t *wr, int K, const GGX *x, int m0, const int MROWS, float *y, int64_t ldy, int n) {         \
-    enum { NC = (BS) / 32, VEC_OFF = (OFFSETS) && ((BS) / (G)) % 8 == 0 };                                       \
-    __m256 acc[GG_MB][2], offv[GG_MB];                                                                           \
+    enum { NC = (BS) / 32 };                                                                                     \
+    __m256 acc[GG_MB][2];                                                                                        \
     float off[GG_MB];                                                                                            \
     for (int m = 0; m < MROWS; m++) {                                                                            \
-        acc[m][0] = acc[m][1] = offv[m] = _mm256_setzero_ps();                                                   \
+        acc[m][0] = acc[m][1] = _mm256_setzero_ps();                                                             \
         off[m] = 0.f;                                                                                            \
     }                                                                                                            \
     int k0 = 0;                                                                                                  \
     for (; k0 + 2 * (BS) <= K; k0 += 2 * (BS), wr += 2 * (BYTES)) {    /* two blocks: chunk parity constant */  \
-        gg_block_##NAME(wr, k0, x, m0, MROWS, 0, acc, offv, off);                                                \
-        gg_block_##NAME(wr + (BYTES), k0 + (BS), x, m0, MROWS, NC & 1, acc, offv, off);                          \
+        gg_block_##NAME(wr, k0, x, m0, MROWS, 0, acc, off);                                                      \
+        gg_block_##NAME(wr + (BYTES), k0 + (BS), x, m0, MROWS, NC & 1, acc, off);                                \
     }                                                                                                            \
-    if (k0 < K) gg_block_##NAME(wr, k0, x, m0, MROWS, 0, acc, offv, off);                                        \
+    if (k0 < K) gg_block_##NAME(wr, k0, x, m0, MROWS, 0, acc, off);                                              \
     for (int m = 0; m < MROWS; m++)                                                                              \
-        y[(int64_t)(m0 + m) * ldy + n] = sum8(_mm256_add_ps(acc[m][0], acc[m][1])) + (VEC_OFF ? sum8(offv[m]) : off[m]); \
+        y[(int64_t)(m0 + m) * ldy + n] = sum8(_mm256_add_ps(acc[m][0], acc[m][1])) + off[m];                    \
 }                                                                                                                \
 static void gg_dot_##NAME(const uint8_t *wr, int K, const GGX *x, int m0, int mb, float *y, int64_t ldy, int n) { \
     switch (mb) {                                                                                                \
