@@ -37,9 +37,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
     X(q2_k, Q2_K, 256, 84, 16, 1) X(q3_k, Q3_K, 256, 110, 16, 0) X(q4_k, Q4_K, 256, 144, 32, 1)                   \
     X(q5_k, Q5_K, 256, 176, 32, 1) X(q6_k, Q6_K, 256, 210, 16, 0) X(iq4_xs, IQ4_XS, 256, 136, 32, 0)
 
-#ifndef GG_MB
-#define GG_MB 4                 /* rows of x per pass over a weight row */
-#endif
+#define GG_MB 4                 /* rows of x per pass over a weight row (the switch in gg_dot_*) */
 
 static const int8_t kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
