@@ -7,22 +7,20 @@ move whole, so a quantized matrix is reordered without decoding it.
 
 GGUFWeight is a weight the model code multiplies through `.mm`, as it does the int8 and int4
 weights (models/llama_family._linear): one-token steps and verify passes through the block
-kernels (every row a lone row), a prefill through the weight decoded block by block into a
-reused float32 buffer and the GEMM."""
+kernels (every row a lone row), a prefill of more rows through the GEMM over the weight
+decoded a few rows at a time (never a float32 copy of the whole weight)."""
 from __future__ import annotations
 
-import threading
 
 import torch
 
 from .gguf_reader import Tensor
-from .kernels import gemm, gguf_kernel
+from .kernels import gguf_kernel
 
-# A prefill of more rows than this decodes the weight and runs the GEMM: the block kernels
-# pass over the weight once per four rows of x, and below about this many rows that costs
-# less than decoding the whole weight to float32 (benchmarks/results/gguf_prefill_rows.json).
-PREFILL_KERNEL_ROWS = 48
-_buf = threading.local()                # the decoded weight of a prefill's product, one per thread
+# A prefill of more rows than this runs the GEMM over the weight decoded a few rows at a time
+# (gguf_kernel.gemm): the block kernels pass over the weight once per four rows of x, and
+# beyond about this many rows that costs more (benchmarks/results/gguf_kernels.json).
+PREFILL_KERNEL_ROWS = 8
 
 
 def dense(t: Tensor) -> torch.Tensor:
@@ -67,17 +65,13 @@ class GGUFWeight:
         if lone_rows or x.shape[0] <= PREFILL_KERNEL_ROWS:
             y = torch.cat([gguf_kernel.linear(x, data, kind, K) for kind, data in self.parts], 1)
             return y if bias is None else y.add_(bias)
-        w = self._decoded()
-        return gemm.mm(x.float(), w.t(), None if bias is None else bias.float())
+        y = torch.cat([gguf_kernel.gemm(x, data, kind, K) for kind, data in self.parts], 1)
+        return y if bias is None else y.add_(bias)
 
     def _decoded(self) -> torch.Tensor:
-        """The whole weight in float32, in this thread's reused buffer (valid until the next call)."""
+        """The whole weight in float32."""
         N, K = self.shape
-        buf = getattr(_buf, "t", None)
-        if buf is None or buf.numel() < N * K:
-            with torch.inference_mode(False):          # a normal tensor, filled in or out of inference mode
-                buf = _buf.t = torch.empty(N * K, dtype=torch.float32)
-        out, at = buf[:N * K].view(N, K), 0
+        out, at = torch.empty(N, K, dtype=torch.float32), 0
         for kind, data in self.parts:
             gguf_kernel.dequantize(data, kind, K, out[at:at + data.shape[0]])
             at += data.shape[0]
@@ -96,7 +90,7 @@ class GGUFWeight:
         return picked
 
     def dense(self) -> torch.Tensor:
-        return self._decoded().clone()
+        return self._decoded()
 
     def tensors(self) -> list[torch.Tensor]:
         return [data for _, data in self.parts]

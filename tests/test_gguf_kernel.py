@@ -60,6 +60,22 @@ def test_products_are_the_weights_times_x_and_every_row_a_lone_row(name, threads
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_prefills_gemm_is_the_decoded_weights_times_x(name):
+    # the GEMM over rows decoded a few at a time: the file's weights exactly, x in float32;
+    # row counts past one packing of rows (128 on AVX2, 384 on AVX-512), weight rows past
+    # a whole number of column blocks
+    g = torch.Generator().manual_seed(200 + gguf_kernel.TYPES[name])
+    for M, N, K in ((9, 13, 256), (130, 37, 512), (400, 7, 256)):
+        w = gguf_kernel.random_blocks(name, N, K, g)
+        ref = _file_weights(w, name, K).double()
+        x = torch.randn(M, K, generator=g)
+        got = gguf_kernel.gemm(x, w, name, K).double()
+        bound = K * 2.0 ** -24 * (x.double().abs() @ ref.abs().t())        # float32 sums of K products
+        assert ((got - x.double() @ ref.t()).abs() <= bound).all(), (M, N, K)
+        assert torch.equal(gguf_kernel.gemm(x[:5], w, name, K), got[:5].float())   # rows apart from their neighbours
+
+
 def test_a_non_finite_input_reaches_the_outputs():
     w = gguf_kernel.random_blocks("Q4_K", 3, 512, torch.Generator().manual_seed(1))
     x = torch.randn(2, 512)

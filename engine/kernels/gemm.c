@@ -13,6 +13,7 @@
  * Each output is one FMA chain over K in order, from zero: a row's result depends neither on
  * the rows beside it nor on the thread count, but it is not rows.c's (a prefill's rows need
  * not be). */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,23 +93,32 @@ int64_t gemm_scratch_bytes(int M, int K) {
     return (rows + MR - 1) / MR * MR * K * 4;
 }
 
-/* x: [M, K] (row stride ldx), w: [N, K] (row stride ldw), bias: [N] or NULL, y: [M, N] (row
- * stride ldy); scratch: gemm_scratch_bytes(M, K), 64-byte aligned */
-void gemm_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
-              int64_t ldy, int M, int N, int K, float *scratch, int threads) {
+/* Where a column block's weight rows come from: w [N, K] read in place (row stride ldw), or,
+ * with fill set, rows [n0, n0 + nr) written by fill(ctx, n0, nr, K, buf) into a thread's
+ * buffer [NR][K] first (a GGUF file's blocks decoded a block of rows at a time, so no
+ * decoded copy of the whole weight is ever made: gguf_gemm.c) */
+typedef void (*gemm_fill)(const void *ctx, int n0, int nr, int K, float *buf);
+
+/* 0, or -2 where a thread's buffer for fill could not be had */
+static int gemm_core(const float *x, int64_t ldx, const float *w, int64_t ldw, gemm_fill fill, const void *ctx,
+                     const float *bias, float *y, int64_t ldy, int M, int N, int K, float *scratch, int threads) {
     int blocks_n = (N + NR - 1) / NR;
+    float *bufs = NULL;
+    if (fill && !(bufs = aligned_alloc(64, ((size_t)threads * NR * (size_t)K * 4 + 63) / 64 * 64))) return -2;
 #pragma omp parallel num_threads(threads)
     for (int m0 = 0; m0 < M; m0 += TILES * MR) {
         int mb = M - m0 < TILES * MR ? M - m0 : TILES * MR, tiles = (mb + MR - 1) / MR;
         pack(x, ldx, m0, mb, K, scratch);          /* ends with a barrier: every row packed */
+        float *buf = fill ? bufs + (int64_t)omp_get_thread_num() * NR * K : NULL;
 #pragma omp for schedule(static)
         for (int bn = 0; bn < blocks_n; bn++) {
             int n0 = bn * NR, nr = N - n0 < NR ? N - n0 : NR;
             const float *wr[NR], *wn[NR];
+            if (fill) fill(ctx, n0, nr, K, buf);
             /* a short last block reads its first row again in place of the missing ones */
             for (int j = 0; j < NR; j++) {
-                wr[j] = w + (int64_t)(n0 + (j < nr ? j : 0)) * ldw;
-                wn[j] = w + (int64_t)(n0 + NR + j < N ? n0 + NR + j : n0) * ldw;
+                wr[j] = fill ? buf + (int64_t)(j < nr ? j : 0) * K : w + (int64_t)(n0 + (j < nr ? j : 0)) * ldw;
+                wn[j] = fill ? wr[j] : w + (int64_t)(n0 + NR + j < N ? n0 + NR + j : n0) * ldw;
             }
             float out[TILES][NR * MR] __attribute__((aligned(64)));
             /* KC steps of every tile in turn: the weight rows' KC columns stay in L1 */
@@ -127,4 +137,13 @@ void gemm_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, const fl
             }
         }                                          /* a barrier: the block is done before repacking */
     }
+    free(bufs);
+    return 0;
+}
+
+/* x: [M, K] (row stride ldx), w: [N, K] (row stride ldw), bias: [N] or NULL, y: [M, N] (row
+ * stride ldy); scratch: gemm_scratch_bytes(M, K), 64-byte aligned */
+void gemm_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
+              int64_t ldy, int M, int N, int K, float *scratch, int threads) {
+    gemm_core(x, ldx, w, ldw, NULL, NULL, bias, y, ldy, M, N, K, scratch, threads);
 }

@@ -111,16 +111,21 @@ def f32(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) ->
     M, K = x.shape
     N = w_t.shape[1]
     y = torch.empty(M, N, dtype=torch.float32)
-    need = lib.gemm_scratch_bytes(M, K) // 4 + 16
+    lib.gemm_f32(x.data_ptr(), x.stride(0), w_t.data_ptr(), w_t.stride(1),
+                 bias.data_ptr() if bias is not None else None, y.data_ptr(), N, M, N, K,
+                 scratch(lib.gemm_scratch_bytes(M, K)), torch.get_num_threads())
+    return y
+
+
+def scratch(nbytes: int) -> int:
+    """The address of this thread's reused buffer of at least nbytes, 64-byte aligned: where
+    gemm.c packs a pass's rows (its callers here and in gguf_kernel.py)."""
+    need = nbytes // 4 + 16
     buf = getattr(_scratch, "t", None)
     if buf is None or buf.numel() < need:
-        buf = _scratch.t = torch.empty(need, dtype=torch.float32)
-    ptr = buf.data_ptr()
-    ptr += (-ptr) % 64
-    lib.gemm_f32(x.data_ptr(), x.stride(0), w_t.data_ptr(), w_t.stride(1),
-                 bias.data_ptr() if bias is not None else None, y.data_ptr(), N, M, N, K, ptr,
-                 torch.get_num_threads())
-    return y
+        with torch.inference_mode(False):          # a normal tensor, made in or out of inference mode
+            buf = _scratch.t = torch.empty(need, dtype=torch.float32)
+    return buf.data_ptr() + (-buf.data_ptr()) % 64
 
 
 def mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,8 +6,10 @@ exactly the bytes of the file (a view into its memory map).
 linear(): one-token steps, verify passes and short prefills, every row a lone row: the
 file's weights times the activations rounded to 16 bits per 32 values (gguf.c), summed in
 float32.
+gemm(): a prefill's products over many rows: gemm.c's GEMM over the weight decoded a few
+rows at a time into a small buffer (gguf_gemm.c), never the whole weight at once.
 dequantize(): rows decoded to the file's own float32 weights, bit for bit what gguf-py's
-`gguf.quants.dequantize` gives, for a prefill's GEMM.
+`gguf.quants.dequantize` gives.
 
 Built with the float32 row kernel's instruction set (AVX-512 or AVX2), and with
 -ffp-contract=off: the decoders round each product and sum as ggml does."""
@@ -19,8 +21,9 @@ import os
 import torch
 
 from . import build, row_kernel
+from .gemm import scratch
 
-SOURCE = "gguf"
+SOURCE = "gguf_gemm"        # gguf.c with gemm.c fed decoded rows
 # The formats read here, by their GGUF type ids (gguf.GGMLQuantizationType).
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
          "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
@@ -55,6 +58,9 @@ def _load() -> str:
     lib.gguf_linear_f32.restype = lib.gguf_dequant_f32.restype = I
     lib.gguf_linear_f32.argtypes = [I, P, I64, P, I64, P, I64, I, I, I, I]
     lib.gguf_dequant_f32.argtypes = [I, P, I64, P, I64, I, I, I]
+    lib.gguf_gemm_f32.restype = I
+    lib.gguf_gemm_f32.argtypes = [I, P, I64, P, I64, P, P, I64, I, I, I, P, I]
+    lib.gemm_scratch_bytes.restype, lib.gemm_scratch_bytes.argtypes = I64, [I, I]
     lib.gguf_block.restype = I
     lib.gguf_block.argtypes = [I, ctypes.POINTER(I), ctypes.POINTER(I)]
     _lib[0] = lib
@@ -111,6 +117,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, name: str, K: int) -> torch.Tensor:
     y = torch.empty(M, N, dtype=torch.float32)
     _lib[0].gguf_linear_f32(TYPES[name], xf.data_ptr(), xf.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), N,
                             M, N, K, torch.get_num_threads())
+    return y
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, name: str, K: int) -> torch.Tensor:
+    """x [M, K] @ w.T in float32 for a prefill's many rows (not lone rows: a row's
+    sums do not depend on the rows beside it, but they are not linear()'s)."""
+    xf = x.float().contiguous() if x.dtype != torch.float32 or x.stride(1) != 1 else x
+    M, N = xf.shape[0], w.shape[0]
+    if xf.shape[1] != K or w.dtype != torch.uint8 or w.stride(1) != 1 or w.shape[1] != row_bytes(name, K):
+        raise ValueError(f"{name} product: x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit K={K}")
+    lib = _lib[0]
+    y = torch.empty(M, N, dtype=torch.float32)
+    if lib.gguf_gemm_f32(TYPES[name], xf.data_ptr(), xf.stride(0), w.data_ptr(), w.stride(0),
+                         None, y.data_ptr(), N, M, N, K,
+                         scratch(lib.gemm_scratch_bytes(M, K)), torch.get_num_threads()) == -2:
+        raise MemoryError(f"{name} product: no memory for its decoded rows")
     return y
 
 
