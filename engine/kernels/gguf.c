@@ -177,11 +177,21 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q3_k(const uin
     (void)m;
     const uint8_t *qs = b + 32, *sc = b + 96;
     const float dd = gg_half(b + 108);
-    for (int i = 0; i < 16; i++) {
-        const int lo = i < 8 ? sc[i] & 0xf : sc[i - 8] >> 4;
-        const int hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
-        d[i] = dd * (float)((int8_t)(lo | (hi << 4)) - 32);
-    }
+    /* group i's six-bit scale, less 32: its low four bits are nibble i of scales[0..7] (the
+     * low nibbles, then the high ones), its top two bits 2 (i / 4) of scales[8 + i % 4] */
+    uint64_t lo;
+    uint32_t hi;
+    memcpy(&lo, sc, 8);
+    memcpy(&hi, sc + 8, 4);
+    const uint64_t m4 = 0x0f0f0f0f0f0f0f0full;
+    const uint32_t m2 = 0x03030303u;
+    const uint64_t top0 = (uint64_t)(hi & m2) | (uint64_t)((hi >> 2) & m2) << 32;
+    const uint64_t top1 = (uint64_t)((hi >> 4) & m2) | (uint64_t)((hi >> 6) & m2) << 32;
+    const __m128i six = _mm_set_epi64x((long long)(((lo >> 4) & m4) | top1 << 4), (long long)((lo & m4) | top0 << 4));
+    const __m128i sv = _mm_sub_epi8(six, _mm_set1_epi8(32));
+    const __m256 ddv = _mm256_set1_ps(dd);
+    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sv)), ddv));
+    _mm256_storeu_ps(d + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sv, 8))), ddv));
     const __m256i hm = ld32(b), four = _mm256_set1_epi8(4);
     for (int h = 0; h < 2; h++) {
         const __m256i v = ld32(qs + h * 32);
@@ -229,7 +239,10 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q6_k(const uin
         const __m256i qh = ld32(b + 128 + h * 32);
         for (int s = 0; s < 4; s++) {
             const __m256i lo = low_bits(ld32(b + h * 64 + (s & 1) * 32), 4 * (s >> 1), 0xf);
-            const __m256i hi = _mm256_slli_epi16(low_bits(qh, 2 * s, 3), 4);
+            /* bits 2s, 2s + 1 of qh to bits 4, 5: one shift (or none) and a mask */
+            const __m256i at = s == 0 ? _mm256_slli_epi16(qh, 4) : s == 1 ? _mm256_slli_epi16(qh, 2)
+                             : s == 2 ? qh : _mm256_srli_epi16(qh, 2);
+            const __m256i hi = _mm256_and_si256(at, _mm256_set1_epi8(0x30));
             put32(q + h * 128 + s * 32, _mm256_sub_epi8(_mm256_or_si256(lo, hi), bias));
         }
     }
