@@ -86,6 +86,51 @@ def compare(reference, candidates: dict, texts: list[list[int]], chunk: int = 25
     return {name: s.result() for name, s in sums.items()}
 
 
+@dataclass(frozen=True)
+class FileCheck:
+    """A file's own logits on the held texts, with no reference to compare with: what a
+    damaged file or a mis-mapped conversion shows (silent garbage rather than an error)."""
+    tokens: int                 # positions read
+    distinct_top1: int          # different greedy tokens over those positions
+    ppl: float                  # perplexity on the texts (inf where a logit is not finite)
+    vocab: int
+
+    def problem(self) -> str:
+        """'' when nothing looks wrong, else what does."""
+        if not math.isfinite(self.ppl):
+            return "its logits on the held texts are not finite (NaN or inf)"
+        if self.tokens >= 64 and self.distinct_top1 <= 2:
+            return (f"it predicts the same {'token' if self.distinct_top1 == 1 else 'two tokens'} at all "
+                    f"{self.tokens} positions of the held texts (degenerate)")
+        if self.ppl > self.vocab / 8:
+            return (f"its perplexity on the held texts is {self.ppl:,.0f}, near a uniform guess over its "
+                    f"{self.vocab:,}-token vocabulary")
+        return ""
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"problem": self.problem()}
+
+
+def check_file(target, texts: list[list[int]], chunk: int = 256) -> FileCheck:
+    """Teacher-force the texts through one target and look at its predictions alone."""
+    n, nll, tops, vocab = 0, 0.0, set(), 0
+    for ids in texts:
+        target.cache.rollback(0)
+        for a in range(0, len(ids) - 1, chunk):
+            piece = ids[a:a + chunk]
+            nxt = torch.tensor(ids[a + 1:a + 1 + len(piece)])
+            logits = target.forward(piece, all_logits=True)[:nxt.numel()].double().cpu()
+            vocab = logits.shape[-1]
+            if not torch.isfinite(logits).all():
+                target.cache.rollback(0)
+                return FileCheck(n + nxt.numel(), len(tops), math.inf, vocab)
+            nll -= float(torch.log_softmax(logits, -1)[torch.arange(nxt.numel()), nxt].sum())
+            tops.update(logits.argmax(-1).tolist())
+            n += nxt.numel()
+    target.cache.rollback(0)
+    return FileCheck(n, len(tops), math.exp(nll / max(1, n)), vocab)
+
+
 def measure_formats(path, device, formats=("int8", "int4"), limit: int = 512, cache_dir=None,
                     tokenizer=None) -> dict[str, Fidelity]:
     """Fidelity of each quantized format of the checkpoint at `path` against its exact

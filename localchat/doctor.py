@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from .argparsing import Parser
-from .common import EXIT_OK, EXIT_USAGE, SAMPLING, error, load_settings, quiet_libraries, sampling
+from .common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, SAMPLING, error, load_settings, quiet_libraries, sampling
 from .format import human_bytes
 
 
@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the model's own as far as memory holds it)")
     p.add_argument("--measure", action="store_true", help="time host RAM and disk reads and plan with them")
     p.add_argument("--fidelity", action="store_true",
-                   help="measure how close int8 and int4 stay to the exact model on a held text (loads the model)")
+                   help="measure how close int8 and int4 stay to the exact model on a held text; for a .gguf, "
+                        "check that its own logits there are finite and not degenerate (loads the model)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     return p
 
@@ -117,7 +118,14 @@ def doctor_main(argv: list[str]) -> int:
             error(f"--fidelity loads the model, and {settings.model} is not downloaded; "
                   f"run `localchat setup --model {settings.model}` first")
             return EXIT_USAGE
-        if args.fidelity:
+        checked = None
+        if args.fidelity and ckpt.gguf is not None:
+            why = _gguf_why(ckpt)
+            if why:
+                error(f"--fidelity reads a GGUF from its blocks (resident-gguf), which does not run here: {why}")
+                return EXIT_USAGE
+            fid, checked = {}, _check_gguf(ckpt)
+        elif args.fidelity:
             fid = fidelity.measure_formats(ckpt.path, hardware.pick_device(hw.device))
         else:
             fid = fidelity.cached_formats(ckpt.path) if ckpt else {}
@@ -131,9 +139,10 @@ def doctor_main(argv: list[str]) -> int:
                                                    "planned_from": planned_from},
                "bandwidth": read, "sampling": _sampling_dict(ckpt.path, settings) if ckpt else None,
                "plan": plan.as_dict(), "fidelity": {k: v.as_dict() for k, v in fid.items()},
+               "file_check": checked.as_dict() if checked else None,
                "retired_compiled_steps": {"path": str(leftover[0]), "bytes": leftover[1]} if leftover else None}
         print(json.dumps(out, indent=2))
-        return EXIT_OK
+        return EXIT_FAIL if checked and checked.problem() else EXIT_OK
     print(_hw_text(hw))
     if hw.device == "cpu":
         print(_kernel_text())
@@ -159,7 +168,19 @@ def doctor_main(argv: list[str]) -> int:
     replay = _replay_text(plan, shape, profs)
     if replay:
         print(replay)
-    print(_fidelity_text(fid))
+    if checked is not None:
+        if checked.problem():
+            error(f"{ckpt.gguf}: {checked.problem()}: the file is damaged or its conversion mis-mapped; "
+                  "fetch it again, or another quant of the model")
+            return EXIT_FAIL
+        print(f"File check on the held texts ({checked.tokens} positions, read from its blocks): logits finite, "
+              f"{checked.distinct_top1} different greedy tokens, perplexity {checked.ppl:.2f}: nothing looks "
+              "mis-mapped.")
+    elif ckpt is not None and ckpt.gguf is not None:
+        print("File check: `localchat doctor --fidelity` reads the held texts from the file's blocks and says "
+              "whether its logits look damaged or mis-mapped (loads the model).")
+    else:
+        print(_fidelity_text(fid))
     hint = _self_drafter_hint(plan, shape, settings)
     if hint:
         print(hint)
@@ -319,6 +340,14 @@ def _gguf_why(ckpt) -> str:
         return "not a .gguf model"
     from engine.targets.gguf_target import gguf_why_not
     return gguf_why_not(ckpt.gguf)
+
+
+def _check_gguf(ckpt):
+    """The file's own logits on the held texts, read from its blocks (engine/fidelity.py)."""
+    import engine
+    from engine import fidelity
+    eng = engine.open(str(ckpt.gguf), profile="resident-gguf", drafter="none")
+    return fidelity.check_file(eng.target, fidelity.held_texts(eng.tokenizer, 256))
 
 
 def _gguf_text(gguf) -> str:

@@ -144,3 +144,27 @@ def test_a_gguf_file_opens_as_stored_and_its_float_copy_is_written_only_when_ask
     a = list(eng.chat().send(prompt, max_new_tokens=12))[-1].token_ids
     b = list(exact.chat().send(prompt, max_new_tokens=12))[-1].token_ids
     assert len(a) > 0 and len(b) > 0
+
+
+def test_doctor_fidelity_checks_a_gguf_and_names_a_degenerate_one(tmp_path):
+    # a damaged or mis-mapped file answers garbage rather than an error: doctor --fidelity
+    # reads the held texts from the file's blocks and says so in one line
+    import shutil
+    import subprocess
+    import sys
+
+    import gguf
+    demo = checkpoint.demo_gguf_path()
+    cmd = [sys.executable, "-m", "localchat.cli", "doctor", "--fidelity", "--model"]
+    good = subprocess.run(cmd + [str(demo)], capture_output=True, text=True, timeout=600)
+    assert good.returncode == 0, good.stderr
+    assert "File check on the held texts" in good.stdout and "nothing looks mis-mapped" in good.stdout
+    zeroed = shutil.copy(demo, tmp_path / "zeroed.gguf")
+    embd = next(t for t in gguf.GGUFReader(str(zeroed)).tensors if t.name == "token_embd.weight")
+    with open(zeroed, "r+b") as fh:                     # every embedding (and the tied head) zero
+        fh.seek(embd.data_offset)
+        fh.write(bytes(int(embd.n_bytes)))
+    bad = subprocess.run(cmd + [str(zeroed)], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "zeroed.gguf" in lines[0] and "degenerate" in lines[0], bad.stderr
