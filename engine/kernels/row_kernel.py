@@ -1,6 +1,6 @@
 """Matrix products of a few rows (a decode step, a verify pass) through the C kernels in
 rows.c, in bfloat16 and float32, and the one place that says which instruction set every
-kernel here is built for: AVX-512 (bf16 with AVX512-BF16), else AVX2 with FMA and F16C
+kernel here is built for: AVX-512 with F16C (bf16 with AVX512-BF16), else AVX2 with FMA and F16C
 (most laptops and older servers), chosen per dtype from what the CPU reports.
 `LOCALCHAT_ISA=avx2` (or `avx512`) forces one, so an AVX-512 machine tests the other build.
 
@@ -28,7 +28,7 @@ from .. import hardware
 from . import build
 
 SOURCE = "rows"
-_AVX512 = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"], ("avx512f", "avx512bw", "avx512vl", "fma"))
+_AVX512 = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"], ("avx512f", "avx512bw", "avx512vl", "fma", "f16c"))
 _AVX2 = (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c"))
 # instruction set: {dtype: (compiler flags, CPU flags it needs)}, best first
 BUILDS = {
