@@ -123,6 +123,9 @@ def config_numbers(cfg, where: str):
     text = cfg.get("text_config", cfg) if isinstance(cfg, dict) else None
     if not isinstance(text, dict):
         raise CheckpointError(f"{where}: not a JSON object of model settings; re-download the model")
+    if "num_local_experts" in text and "num_experts" not in text:
+        # transformers 5 saves Qwen3-MoE's num_experts under this name (its attribute_map)
+        text = {k: v for k, v in text.items() if k != "num_local_experts"} | {"num_experts": text["num_local_experts"]}
 
     def number(key: str, default: int | None = None) -> int:
         value = text.get(key)
@@ -500,15 +503,23 @@ def gguf_sampling(gguf: Path) -> dict:
 
 
 def _gguf_config(gguf: Path):
-    """transformers' config of a GGUF file, with the head size the file states: its mapping
-    drops `{arch}.attention.key_length`, so a head size other than its default (128 for
-    Qwen3) became the wrong shapes."""
+    """transformers' config of a GGUF file, with what the file states that its mapping drops:
+    the head size (`{arch}.attention.key_length`: a head size other than the default, 128 for
+    Qwen3, became the wrong shapes) and an expert's width (`{arch}.expert_feed_forward_length`,
+    Qwen3-MoE's). A qwen3moe file is run as llama.cpp runs it, its top-k routing weights
+    normalized (its graph does so whatever the checkpoint said; Qwen3-MoE's checkpoints say so)."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     fields = _gguf_read(gguf)[0]
-    key = fields.get(f"{fields['general.architecture']}.attention.key_length")
+    arch = fields["general.architecture"]
+    key = fields.get(f"{arch}.attention.key_length")
     if key is not None and hasattr(config, "head_dim"):
         config.head_dim = int(key)
+    width = fields.get(f"{arch}.expert_feed_forward_length")
+    if width is not None and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(width)
+    if arch == "qwen3moe":
+        config.norm_topk_prob = True
     return config
 
 

@@ -1,4 +1,4 @@
-"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next GGUFs written by llama.cpp's own converter, run
+"""Qwen3.5, Qwen3.5-MoE, Qwen3-Next and Qwen3-MoE GGUFs written by llama.cpp's own converter, run
 from their blocks (engine/targets/gguf_modules.py): the converter's changes undone (norms
 stored as w + 1, ssm_a as -exp(A_log), Qwen3.5's value heads tiled, Qwen3-Next's fused
 in-projections split), so an F32 file is the checkpoint to the bit; a Q8_0 file is its own
@@ -35,7 +35,7 @@ def _dequantized(f32, q8, out):
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_moe"])
 def files(request, tmp_path_factory):
     """A tiny Qwen3.5, Qwen3.5-MoE or Qwen3-Next (4 layers, one of them full attention) with
     the demo's tokenizer (the converter knows its pre-tokenizer); its F32 and Q8_0 files by
@@ -58,7 +58,8 @@ def files(request, tmp_path_factory):
         given = shutil.copytree(src, base / "to-convert")
         cfg = json.loads((given / "config.json").read_text())
         (given / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen3_5_text")))
-    f = {kind: convert(given, base / f"tiny.{kind}.gguf", kind, "--no-mtp") for kind in ("f32", "q8_0")}
+    mtp = () if request.param == "qwen3_moe" else ("--no-mtp",)     # the converter refuses the flag there
+    f = {kind: convert(given, base / f"tiny.{kind}.gguf", kind, *mtp) for kind in ("f32", "q8_0")}
     f["dequantized"] = _dequantized(f["f32"], f["q8_0"], base / "tiny.dequantized.gguf")
     f["cache"] = base / "cache"              # their imports, once for the module's tests
     return src, f
@@ -95,8 +96,10 @@ def test_a_q8_0_file_is_its_dequantized_weights_within_rounding(files):
     assert not list(eng.checkpoint.path.glob("*.safetensors"))                  # no float copy
     assert eng.target.weight_bytes() <= f["q8_0"].stat().st_size
     info = eng.describe()
-    assert "in C" in info["hybrid_layers"] and info["weights"].startswith("GGUF Q8_0")
-    if eng.target.config.model_type == "qwen3_5_moe_text":
+    assert info["weights"].startswith("GGUF Q8_0")
+    if eng.target.config.model_type != "qwen3_moe":                          # no delta-net layers there
+        assert "in C" in info["hybrid_layers"]
+    if eng.target.config.model_type in ("qwen3_5_moe_text", "qwen3_moe"):
         assert "one C call" in info["experts"]                                # the experts' blocks in C
     exact = _open(f, "dequantized")
     for got, want in zip(_logits(eng), _logits(exact)):
@@ -108,7 +111,9 @@ def test_a_q8_0_file_is_its_dequantized_weights_within_rounding(files):
 
 
 def test_steps_in_c_are_what_the_modules_compute(files, monkeypatch):
-    _, f = files
+    src, f = files
+    if "qwen3_moe" in src.parent.name:
+        pytest.skip("Qwen3-MoE has no delta-net layers to run in C")
     ran = []
     plain = hybrid_layers.HybridLayers._delta_net
     monkeypatch.setattr(hybrid_layers.HybridLayers, "_delta_net",

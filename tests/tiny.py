@@ -90,6 +90,12 @@ def build_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2,
         del moe["intermediate_size"]
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**linear, **moe, num_experts=4, num_experts_per_tok=2,
                                                            moe_intermediate_size=64, shared_expert_intermediate_size=64))
+    elif kind == "qwen3_moe":
+        # Qwen3-MoE (Qwen3-30B-A3B's family): every layer sparse, 4 experts, top-2, no shared
+        # expert, the top-k weights normalized (as published)
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=hidden // 4, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=64, norm_topk_prob=True, **common))
     elif kind == "lfm2":
         # Another hybrid family: LFM2's short-convolution layers (a conv window, no
         # recurrent state) beside attention layers.

@@ -146,10 +146,10 @@ class HFForward(rows.KernelPasses):
             cache.states = linear                  # an engine.cache.RecurrentCache rolls them back
             # speculation: verify passes record, the accepted updates are replayed (replay.py)
             cache.replays = replay.install(model, cache, linear)
-            if len(cache.replays) == len(linear):
-                replay.use_rowwise_attention(model)
-            else:
+            if len(cache.replays) != len(linear):
                 cache.replays = []                 # a recurrent layer of a kind replay does not know
+        # a verify pass's attention row by row, as the one-token steps it stands for
+        replay.use_rowwise_attention(model, self)
         self.hf_cache = Cache(layers=layers)
         # One-token steps' products as a verify pass's rows (models/rows.py): dense
         # nn.Linear layers run a single row as two when this machine's kernels need it.

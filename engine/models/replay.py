@@ -158,30 +158,31 @@ def install(model: nn.Module, cache, states) -> list[LayerReplay]:
             return _orig(*args, **kw)
         mod.forward = forward
         replays.append(rep)
-    for m in model.modules():
-        # an attention module (its output projection is o_proj, or LFM2's out_proj)
-        if hasattr(m, "num_key_value_groups") and (hasattr(m, "o_proj") or hasattr(m, "out_proj")):
-            m._localchat_cache = cache        # rowwise_sdpa reads the verify flag through it
     return replays
 
 
-def use_rowwise_attention(model: nn.Module) -> None:
+def use_rowwise_attention(model: nn.Module, passes) -> None:
     """Route the model's attention through rowwise_sdpa (transformers' attention registry;
-    masks as SDPA's)."""
+    masks as SDPA's); `passes` (a models.rows.KernelPasses) says which passes are verify
+    passes."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register("localchat_sdpa", rowwise_sdpa)
     AttentionMaskInterface.register("localchat_sdpa", sdpa_mask)
     model.config._attn_implementation = "localchat_sdpa"
+    for m in model.modules():
+        # an attention module (its output projection is o_proj, or LFM2's out_proj)
+        if hasattr(m, "num_key_value_groups") and (hasattr(m, "o_proj") or hasattr(m, "out_proj")):
+            m._localchat_passes = passes
 
 
 def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA attention, except in a verify pass: each query row alone over the
     keys it may see, as the one-token step that would have produced it calls it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    cache = getattr(module, "_localchat_cache", None)
+    passes = getattr(module, "_localchat_passes", None)
     T = query.shape[2]
-    if T == 1 or cache is None or not cache.verifying:
+    if T == 1 or passes is None or not passes.lone_rows():
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     L = key.shape[2]
     rows = [sdpa_attention_forward(module, query[:, :, r:r + 1], key[:, :, :L - T + r + 1],

@@ -1,10 +1,11 @@
-"""A Qwen3.5, Qwen3.5-MoE or Qwen3-Next GGUF file run from its own blocks: transformers' modules
+"""A Qwen3.5, Qwen3.5-MoE, Qwen3-Next or Qwen3-MoE GGUF file run from its own blocks: transformers' modules
 (models/hf_forward.py, as module_quant.py runs a hybrid's packed weights: PackedLinear,
 PackedEmbedding, PackedExperts) with every matrix a GGUFWeight, read
 where it lies in the file's memory map, activations in float32 (rounded to 16 bits inside
 the block products). One-token steps and verify passes run the hybrid layers in C over the
-blocks (models/hybrid_layers.py), a long prefill decodes each weight into a reused buffer for
-the GEMM.
+blocks (models/hybrid_layers.py); a longer prefill runs the GEMM over weights decoded a few rows
+at a time. Qwen3-MoE (no delta-net layers, plain norms) runs the same modules, its experts in
+the experts kernel.
 
 llama.cpp's converter changes a Qwen3.5 checkpoint in four ways (its conversion/qwen.py;
 transformers' integrations/gguf/gguf_conversion_mapping.py undoes the same), each undone
@@ -39,7 +40,7 @@ from . import module_quant
 from .quantized import _skeleton
 from .resident import ResidentTarget
 
-ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
+ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next", "qwen3moe")
 
 
 def tiled_to_grouped(key_heads: int, per_key: int, head_dim: int = 1) -> torch.Tensor:
@@ -169,17 +170,20 @@ def _fill(model: nn.Module, cfg, tensors: dict, gguf: Path) -> None:
         v = v if rows is None else v[rows]
         return nn.Parameter((v - 1.0 if minus_one else v).contiguous(), requires_grad=False)
 
-    Hk, Hv = text.linear_num_key_heads, text.linear_num_value_heads
-    Dk, Dv, r = text.linear_key_head_dim, text.linear_value_head_dim, Hv // Hk
-    nxt = text.model_type == "qwen3_next"         # its value heads stay grouped; q/k/v/z and b/a fused
-    per_value = None if nxt else tiled_to_grouped(Hk, r, Dv)
-    per_head = None if nxt else tiled_to_grouped(Hk, r)
-    qk_rows = 2 * Hk * Dk
-    qkv_rows = None if nxt else torch.cat([torch.arange(qk_rows), qk_rows + per_value])
+    hybrid = hasattr(text, "linear_num_key_heads")   # Qwen3.5, Qwen3-Next: zero-centred norms stored w + 1
+    if hybrid:
+        Hk, Hv = text.linear_num_key_heads, text.linear_num_value_heads
+        Dk, Dv, r = text.linear_key_head_dim, text.linear_value_head_dim, Hv // Hk
+        nxt = text.model_type == "qwen3_next"         # its value heads stay grouped; q/k/v/z and b/a fused
+        per_value = None if nxt else tiled_to_grouped(Hk, r, Dv)
+        per_head = None if nxt else tiled_to_grouped(Hk, r)
+        qk_rows = 2 * Hk * Dk
+        qkv_rows = None if nxt else torch.cat([torch.arange(qk_rows), qk_rows + per_value])
     for i, layer in enumerate(model.model.layers):
         b = f"blk.{i}."
-        layer.input_layernorm.weight = vector(b + "attn_norm.weight", minus_one=True)
-        layer.post_attention_layernorm.weight = vector(b + "post_attention_norm.weight", minus_one=True)
+        layer.input_layernorm.weight = vector(b + "attn_norm.weight", minus_one=hybrid)
+        post = b + ("post_attention_norm.weight" if hybrid else "ffn_norm.weight")
+        layer.post_attention_layernorm.weight = vector(post, minus_one=hybrid)
         mlp = layer.mlp
         if hasattr(mlp, "gate_proj"):
             for leaf, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
@@ -188,17 +192,18 @@ def _fill(model: nn.Module, cfg, tensors: dict, gguf: Path) -> None:
             mlp.gate.weight = nn.Parameter(dense(take(b + "ffn_gate_inp.weight")).contiguous(), requires_grad=False)
             mlp.experts = _experts(mlp.experts, *(take(b + f"ffn_{w}_exps.weight") for w in ("gate", "up", "down")),
                                    gguf)
-            for leaf, name in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"),
-                               ("down_proj", "ffn_down_shexp")):
-                linear(mlp.shared_expert, leaf, b + name + ".weight")
-            linear(mlp, "shared_expert_gate", b + "ffn_gate_inp_shexp.weight")
+            if hasattr(mlp, "shared_expert"):
+                for leaf, name in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"),
+                                   ("down_proj", "ffn_down_shexp")):
+                    linear(mlp.shared_expert, leaf, b + name + ".weight")
+                linear(mlp, "shared_expert_gate", b + "ffn_gate_inp_shexp.weight")
         if hasattr(layer, "self_attn"):
             att = layer.self_attn
             for leaf, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
                                ("o_proj", "attn_output")):
                 linear(att, leaf, b + name + ".weight")
-            att.q_norm.weight = vector(b + "attn_q_norm.weight", minus_one=True)
-            att.k_norm.weight = vector(b + "attn_k_norm.weight", minus_one=True)
+            att.q_norm.weight = vector(b + "attn_q_norm.weight", minus_one=hybrid)
+            att.k_norm.weight = vector(b + "attn_k_norm.weight", minus_one=hybrid)
             continue
         gdn = layer.linear_attn
         if nxt:
@@ -222,7 +227,7 @@ def _fill(model: nn.Module, cfg, tensors: dict, gguf: Path) -> None:
         gdn.norm.weight = vector(b + "ssm_norm.weight")
         gdn.A_log = nn.Parameter(torch.log(-vector(b + "ssm_a", per_head).data), requires_grad=False)
         gdn.dt_bias = vector(b + "ssm_dt.bias", per_head)
-    model.model.norm.weight = vector("output_norm.weight", minus_one=True)
+    model.model.norm.weight = vector("output_norm.weight", minus_one=hybrid)
     embed = matrix("token_embd.weight")
     if isinstance(embed, GGUFWeight):
         model.model.embed_tokens = module_quant.PackedEmbedding(embed)

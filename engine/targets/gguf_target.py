@@ -137,7 +137,8 @@ def check_finite(gguf: Path, tensors) -> None:
 
 def load_gguf(gguf: Path, config_dir: Path, cache_capacity: int = 1024) -> ResidentTarget:
     """The target of a GGUF file run from its blocks: the Llama-family forward, or for a
-    hybrid (Qwen3.5) transformers' modules over the blocks (gguf_modules.py)."""
+    hybrid (Qwen3.5, Qwen3-Next) or a mixture of experts transformers' modules over the
+    blocks (gguf_modules.py)."""
     gguf = Path(gguf)
     why = gguf_why_not(gguf)
     if why:
