@@ -9,6 +9,7 @@ predicts next.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -71,18 +72,11 @@ def compare(reference, candidates: dict, texts: list[list[int]], chunk: int = 25
     """measure() for several candidates against one reference pass. Each text starts
     from empty caches, fed `chunk` tokens a pass; the caches are left empty."""
     sums = {name: _Sums() for name in candidates}
-    targets = [reference, *candidates.values()]
-    for ids in texts:
-        for t in targets:
-            t.cache.rollback(0)
-        for a in range(0, len(ids) - 1, chunk):
-            piece = ids[a:a + chunk]
-            nxt = torch.tensor(ids[a + 1:a + 1 + len(piece)])
+    with contextlib.closing(_pieces([reference, *candidates.values()], texts, chunk)) as pieces:
+        for piece, nxt in pieces:
             ref = reference.forward(piece, all_logits=True)[:nxt.numel()].float().cpu()
             for name, cand in candidates.items():
                 sums[name].add(ref, cand.forward(piece, all_logits=True)[:nxt.numel()].float().cpu(), nxt)
-    for t in targets:
-        t.cache.rollback(0)
     return {name: s.result() for name, s in sums.items()}
 
 
@@ -114,21 +108,31 @@ class FileCheck:
 def check_file(target, texts: list[list[int]], chunk: int = 256) -> FileCheck:
     """Teacher-force the texts through one target and look at its predictions alone."""
     n, nll, tops, vocab = 0, 0.0, set(), 0
-    for ids in texts:
-        target.cache.rollback(0)
-        for a in range(0, len(ids) - 1, chunk):
-            piece = ids[a:a + chunk]
-            nxt = torch.tensor(ids[a + 1:a + 1 + len(piece)])
+    with contextlib.closing(_pieces([target], texts, chunk)) as pieces:
+        for piece, nxt in pieces:
             logits = target.forward(piece, all_logits=True)[:nxt.numel()].double().cpu()
             vocab = logits.shape[-1]
+            n += nxt.numel()
             if not torch.isfinite(logits).all():
-                target.cache.rollback(0)
-                return FileCheck(n + nxt.numel(), len(tops), math.inf, vocab)
+                return FileCheck(n, len(tops), math.inf, vocab)
             nll -= float(torch.log_softmax(logits, -1)[torch.arange(nxt.numel()), nxt].sum())
             tops.update(logits.argmax(-1).tolist())
-            n += nxt.numel()
-    target.cache.rollback(0)
     return FileCheck(n, len(tops), math.exp(nll / max(1, n)), vocab)
+
+
+def _pieces(targets: list, texts: list[list[int]], chunk: int):
+    """Each text from empty caches, `chunk` tokens a pass: (the pass's tokens, the token that
+    follows each); the caches are left empty, also when the caller stops early."""
+    try:
+        for ids in texts:
+            for t in targets:
+                t.cache.rollback(0)
+            for a in range(0, len(ids) - 1, chunk):
+                piece = ids[a:a + chunk]
+                yield piece, torch.tensor(ids[a + 1:a + 1 + len(piece)])
+    finally:
+        for t in targets:
+            t.cache.rollback(0)
 
 
 def measure_formats(path, device, formats=("int8", "int4"), limit: int = 512, cache_dir=None,
