@@ -11,7 +11,6 @@ kernels (every row a lone row), a prefill of more rows through the GEMM over the
 decoded a few rows at a time (never a float32 copy of the whole weight)."""
 from __future__ import annotations
 
-
 import torch
 
 from .gguf_reader import Tensor

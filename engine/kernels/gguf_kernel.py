@@ -110,23 +110,28 @@ def row_bytes(name: str, K: int) -> int:
 def linear(x: torch.Tensor, w: torch.Tensor, name: str, K: int) -> torch.Tensor:
     """x [M, K] @ w.T in float32 for a weight w [N, row_bytes] in format `name`; x is
     widened to float32 first (bf16 exactly)."""
-    xf = x.float().contiguous() if x.dtype != torch.float32 or x.stride(1) != 1 else x
+    xf = _operands(x, w, name, K)
     M, N = xf.shape[0], w.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32)
+    if _lib[0].gguf_linear_f32(TYPES[name], xf.data_ptr(), xf.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(),
+                               N, M, N, K, torch.get_num_threads()) == -2:
+        raise MemoryError(f"{name} product: no memory for its rounded activations")
+    return y
+
+
+def _operands(x: torch.Tensor, w: torch.Tensor, name: str, K: int) -> torch.Tensor:
+    """x as float32 rows with unit column stride, once x and w are checked to fit K."""
+    xf = x.float().contiguous() if x.dtype != torch.float32 or x.stride(1) != 1 else x
     if xf.shape[1] != K or w.dtype != torch.uint8 or w.stride(1) != 1 or w.shape[1] != row_bytes(name, K):
         raise ValueError(f"{name} product: x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit K={K}")
-    y = torch.empty(M, N, dtype=torch.float32)
-    _lib[0].gguf_linear_f32(TYPES[name], xf.data_ptr(), xf.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), N,
-                            M, N, K, torch.get_num_threads())
-    return y
+    return xf
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, name: str, K: int) -> torch.Tensor:
     """x [M, K] @ w.T in float32 for a prefill's many rows (not lone rows: a row's
     sums do not depend on the rows beside it, but they are not linear()'s)."""
-    xf = x.float().contiguous() if x.dtype != torch.float32 or x.stride(1) != 1 else x
+    xf = _operands(x, w, name, K)
     M, N = xf.shape[0], w.shape[0]
-    if xf.shape[1] != K or w.dtype != torch.uint8 or w.stride(1) != 1 or w.shape[1] != row_bytes(name, K):
-        raise ValueError(f"{name} product: x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit K={K}")
     lib = _lib[0]
     y = torch.empty(M, N, dtype=torch.float32)
     if lib.gguf_gemm_f32(TYPES[name], xf.data_ptr(), xf.stride(0), w.data_ptr(), w.stride(0),
