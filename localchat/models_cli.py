@@ -168,10 +168,12 @@ def list_models(models: list[Model], as_json: bool = False) -> int:
     hw = hardware.detect(checkpoint.default_cache_dir())
     bw = bandwidth.rates(bandwidth.measured(checkpoint.default_cache_dir(), hardware.pick_device(hw.device)))
     width = max(24, *(len(m.name) for m in models))
-    print(f"{'model':{width}}  {'where':12}  {'format':14}  {'size':>8}  {'derived':>8}  {'last used':16}  profile here")
-    for m in models:
+    formats = [_format(m.checkpoint) for m in models]
+    fw = max(14, *(len(f) for f in formats))
+    print(f"{'model':{width}}  {'where':12}  {'format':{fw}}  {'size':>8}  {'derived':>8}  {'last used':16}  profile here")
+    for m, fmt in zip(models, formats):
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)) if m.last_used else "–"
-        print(f"{m.name:{width}}  {m.where:12}  {_format(m.checkpoint):14}  {human_bytes(m.size):>8}  "
+        print(f"{m.name:{width}}  {m.where:12}  {fmt:{fw}}  {human_bytes(m.size):>8}  "
               f"{human_bytes(m.derived_size):>8}  {used:16}  {_profile_here(m.checkpoint, hw, bw)}")
     kernels = checkpoint.default_cache_dir() / "kernels"
     total = sum(m.size + m.derived_size for m in models if m.where != "local folder")
