@@ -1,12 +1,12 @@
 """A target whose weights are a GGUF file's own blocks, read where they lie
 (engine/gguf_file.py): the Llama-family forward over GGUFWeight matrices, activations in
-float32. No float copy of the weights is made: the matrices are views of the file's memory
-map but for the q and k projections, whose rows of blocks are put back in the checkpoint's
-order (the same bytes, moved).
+float32 (rounded to 16 bits inside the block products). No float copy of the weights is made:
+the matrices are views of the file's memory map but for the q and k projections, whose rows
+of blocks are put back in the checkpoint's order (the same bytes, moved).
 
 Steps and verify passes multiply through the block kernels (every row a lone row, so
-speculation is exact by construction); a prefill decodes each weight into a reused buffer
-for the GEMM. A file of float matrices (F32, F16) holds them as plain tensors, which the C
+speculation is exact by construction); a longer prefill runs the GEMM over each weight
+decoded a few rows at a time. A file of float matrices (F32, F16) holds them as plain tensors, which the C
 layer kernels run. `load_gguf` (the resident-gguf profile, from engine.open) takes the file
 and the config of its import (engine/checkpoint.import_gguf), and hands a hybrid's file to
 gguf_modules.py. Tested on llama and qwen3 files written by llama.cpp's converter; qwen2's
