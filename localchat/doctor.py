@@ -392,7 +392,8 @@ def _kernel_text() -> str:
             ("gated delta-net", "a hybrid's conv and recurrence steps run in C (with the layer kernels, "
              "Qwen3.5's whole layers)", "transformers' functions"),
             ("GGUF blocks", "a .gguf model's Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL and IQ4_XS blocks are read as stored, "
-             "activations in float32, whole layers in one call", "its float32 import")):
+             "multiplied in integers with activations rounded to 16 bits, whole layers in one call",
+             "its float32 import")):
         why = st[name]
         title = name[0].upper() + name[1:]
         lines.append(f"{title} kernel: {ready_text}" if not why else f"{title} kernel: not used, {why}; {instead} instead")
