@@ -18,7 +18,8 @@
  * of instructions owned by one thread, whatever the number of rows or threads: a verify
  * pass's rows are one-token steps bit for bit.
  *
- * gguf_dequant_f32: rows [n0, n1) decoded into float32, for a prefill's GEMM. */
+ * gguf_dequant_f32: whole rows decoded into float32 (a dense view, embedding rows); a
+ * prefill's GEMM decodes a few rows at a time itself (gguf_gemm.c). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -75,8 +75,9 @@ def _load() -> str:
             _lib[0] = None
             return f"its self-test blocks decoded wrong ({name})"
         x = torch.randn(2, 512, generator=g)
-        ref = rounded_activations(x) @ want.double().t()
-        bound = 2 * 512 * 2.0 ** -24 * (rounded_activations(x).abs() @ want.double().abs().t())
+        xr = rounded_activations(x)
+        ref = xr @ want.double().t()
+        bound = 2 * 512 * 2.0 ** -24 * (xr.abs() @ want.double().abs().t())
         if not ((linear(x, w, name, 512).double() - ref).abs() <= bound).all():
             _lib[0] = None
             return f"its self-test products came out wrong ({name})"
