@@ -7,7 +7,7 @@ shape (6144 x 2048) of random valid blocks per format:
   spin after each call, on the cores the block kernel then wants);
 - a prefill's rows: the block kernel over M rows against the GEMM over the weight decoded a
   few rows at a time (gguf_kernel.gemm), per M, for the format most files hold (Q4_K) and two
-  others; the ratio says where engine/gguf_file.py's PREFILL_KERNEL_ROWS should sit.
+  others; the ratio says where engine/kernels/dispatch.py's GGUF_PREFILL_ROWS should sit.
 
 Medians of interleaved repeats, 2 threads (and 1 for the one-row products).
 

@@ -6,20 +6,17 @@ their rotary halves interleaved), `hf_rows` gives the checkpoint's order back: r
 move whole, so a quantized matrix is reordered without decoding it.
 
 GGUFWeight is a weight the model code multiplies through `.mm`, as it does the int8 and int4
-weights (models/llama_family._linear): one-token steps and verify passes through the block
-kernels (every row a lone row), a prefill of more rows through the GEMM over the weight
-decoded a few rows at a time (never a float32 copy of the whole weight)."""
+weights (models/llama_family._linear), with the pass's kind; the kernel policy
+(kernels/dispatch.py) picks the product: one-token steps and verify passes through the block
+kernels (every row a lone row), a prefill of more than a few rows through the GEMM over the
+weight decoded a few rows at a time (never a float32 copy of the whole weight)."""
 from __future__ import annotations
 
 import torch
 
 from .gguf_reader import Tensor
-from .kernels import gguf_kernel
-
-# A prefill of more rows than this runs the GEMM over the weight decoded a few rows at a time
-# (gguf_kernel.gemm): the block kernels pass over the weight once per four rows of x, and
-# beyond about this many rows that costs more (benchmarks/results/gguf_kernels.json).
-PREFILL_KERNEL_ROWS = 8
+from .kernels import dispatch, gguf_kernel
+from .kernels.dispatch import Pass
 
 
 def dense(t: Tensor) -> torch.Tensor:
@@ -52,6 +49,9 @@ class GGUFWeight:
                 raise ValueError(f"a {kind} part of {data.shape[1]} bytes a row does not hold {K} weights")
         self.parts = [(kind, data.contiguous()) for kind, data in parts]
         self.shape = (sum(d.shape[0] for _, d in self.parts), K)
+        self.format = "+".join(dict.fromkeys(kind for kind, _ in self.parts))
+        # each part's products by the kind of pass, as the kernel policy picks them (kernels/dispatch.py)
+        self.routes = [dispatch.routes(kind, torch.device("cpu"), torch.float32) for kind, _ in self.parts]
 
     @classmethod
     def of(cls, *tensors: Tensor, rows: list[torch.Tensor | None] | None = None) -> "GGUFWeight":
@@ -59,12 +59,11 @@ class GGUFWeight:
         rows = rows or [None] * len(tensors)
         return cls([(t.kind, t.data if r is None else t.data[r]) for t, r in zip(tensors, rows)], tensors[0].shape[1])
 
-    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, lone_rows: bool = True) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, kind: Pass = Pass.STEP) -> torch.Tensor:
         K = self.shape[1]
-        if lone_rows or x.shape[0] <= PREFILL_KERNEL_ROWS:
-            y = torch.cat([gguf_kernel.linear(x, data, kind, K) for kind, data in self.parts], 1)
-            return y if bias is None else y.add_(bias)
-        y = torch.cat([gguf_kernel.gemm(x, data, kind, K) for kind, data in self.parts], 1)
+        M = x.shape[0]
+        y = torch.cat([(gguf_kernel.linear if routes[kind].pick(M) == "blocks" else gguf_kernel.gemm)(x, data, part, K)
+                       for (part, data), routes in zip(self.parts, self.routes)], 1)
         return y if bias is None else y.add_(bias)
 
     def _decoded(self) -> torch.Tensor:

@@ -10,6 +10,7 @@ from engine import checkpoint
 from engine.gguf_file import GGUFWeight, dense, hf_rows
 from engine.gguf_reader import read
 from engine.kernels import gguf_kernel
+from engine.kernels.dispatch import Pass
 
 pytestmark = [pytest.mark.demo,
               pytest.mark.skipif(not gguf_kernel.available(), reason=f"no GGUF kernel here: {gguf_kernel.why_not()}")]
@@ -55,14 +56,14 @@ def test_a_fused_weight_multiplies_as_its_parts(demo):
     dense = torch.cat([hf[f"model.layers.3.self_attn.{n}_proj.weight"] for n in "qkv"])
     assert w.shape == tuple(dense.shape)
     g = torch.Generator().manual_seed(0)
-    for M, lone in ((1, True), (5, True), (40, False)):           # steps, a verify pass, a prefill
+    for M, kind in ((1, Pass.STEP), (5, Pass.VERIFY), (40, Pass.PREFILL)):
         x = torch.randn(M, w.shape[1], generator=g)
         want = x.double() @ dense.double().t()
-        got = w.mm(x, lone_rows=lone).double()
+        got = w.mm(x, None, kind).double()
         bound = w.shape[1] * 2.0 ** -23 * (x.double().abs() @ dense.double().abs().t())
         assert ((got - want).abs() <= bound).all(), M
     x = torch.randn(5, w.shape[1], generator=g)
-    assert torch.equal(w.mm(x), torch.cat([w.mm(x[r:r + 1]) for r in range(5)]))     # lone rows
+    assert torch.equal(w.mm(x, None, Pass.VERIFY), torch.cat([w.mm(x[r:r + 1]) for r in range(5)]))
 
 
 def test_a_weight_of_mixed_formats_multiplies_as_its_parts():

@@ -9,6 +9,7 @@ from torch import nn
 
 import engine
 from engine.cache import RecurrentCache
+from engine.kernels.dispatch import Pass
 from engine.targets import qweights
 from engine.targets.module_quant import PackedExperts, PackedLinear
 from engine.targets.quantized import load_quantized
@@ -118,9 +119,9 @@ def test_only_steps_and_verify_passes_take_lone_rows(hybrid, tmp_path, monkeypat
     for cls in (qweights.Int8Weight, qweights.Int4Weight):
         real = cls.mm
 
-        def mm(self, x, bias=None, lone_rows=True, real=real):
-            asked.append((x.shape[0], lone_rows))
-            return real(self, x, bias, lone_rows)
+        def mm(self, x, bias=None, kind=Pass.STEP, real=real):
+            asked.append((x.shape[0], kind is not Pass.PREFILL))
+            return real(self, x, bias, kind)
         monkeypatch.setattr(cls, "mm", mm)
     ids = list(range(3, 43))
     prefill = q.forward(ids[:30])

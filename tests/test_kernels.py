@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.kernels import build, gemm, q4_kernel, q8_kernel, row_kernel
+from engine.kernels.dispatch import Pass
 from engine.models import rows
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -283,7 +284,7 @@ def test_the_widened_product_runs_in_and_out_of_inference_mode_and_on_any_thread
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("M", [20, 100])
 def test_a_quantized_prefill_product_is_the_definition_in_either_form(kind, M):
-    # a prefill (lone_rows=False) of bf16 rows: q8.c's or q4.c's dequantization and
+    # a prefill of bf16 rows: q8.c's or q4.c's dequantization and
     # torch's bf16 GEMM where the CPU has bf16 instructions; else the weight dequantized
     # block by block in float32 (engine/kernels/gemm.py); within bf16 rounding of float64's
     from engine.targets import qweights
@@ -295,7 +296,7 @@ def test_a_quantized_prefill_product_is_the_definition_in_either_form(kind, M):
         c, x, w = _int4(N, K, 32, M, seed=5)
         weight = qweights.Int4Weight(c, torch.device("cpu"), torch.bfloat16, 32)
     b = torch.randn(N, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    got = weight.mm(x, b, lone_rows=False)
+    got = weight.mm(x, b, Pass.PREFILL)
     want = x.double() @ w.double().t() + b.double()
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     # the output rounded to bf16 (2^-8 relative); where the GEMM is bf16, each weight was

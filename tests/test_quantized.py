@@ -12,7 +12,8 @@ import torch
 import engine
 from engine import checkpoint, fidelity
 from engine.drafters import ModelDrafter, NgramDrafter, NoDrafter
-from engine.kernels import q4_kernel, q8_kernel
+from engine.kernels import aten, q4_kernel, q8_kernel
+from engine.kernels.dispatch import Pass
 from engine.targets import qweights
 from engine.targets.quantized import load_quantized
 from engine.targets.resident import load_resident
@@ -72,7 +73,7 @@ def test_kernels_compute_the_definition(fmt, act, kernel, monkeypatch):
     else:
         monkeypatch.setattr(own, "_state", ["turned off (test)"])
     if kernel == "none":
-        monkeypatch.setattr(qweights, "_kernel_runs", lambda *a: False)
+        monkeypatch.setattr(aten, "runs", lambda *a: False)
     g = torch.Generator().manual_seed(2)
     w = torch.randn(192, 256, generator=g) * 0.05
     bias = torch.randn(192, generator=g).to(act)
@@ -82,11 +83,11 @@ def test_kernels_compute_the_definition(fmt, act, kernel, monkeypatch):
     assert getattr(packed, "canonical" if fmt == "int4" else "own_kernel") == (kernel == "own")
     want_w = qweights.dequantize(c)
     tol = 2e-2 if act == torch.bfloat16 else 1e-5
-    for M in (1, 5, 33, 100):       # 100: past GEMM_ROWS, the dequantized weight and a GEMM
+    for M in (1, 5, 33, 100):       # 100: past dispatch.GEMM_ROWS, the dequantized weight and a GEMM
         x = torch.randn(M, 256, generator=g).to(act)
         want = x.float() @ want_w.t() + bias.float()
-        for lone in (True, False):       # a step or verify pass; a prefill (another kernel past a few rows)
-            got = packed.mm(x, bias, lone_rows=lone).float()
+        for kind in (Pass.STEP, Pass.VERIFY, Pass.PREFILL):   # a prefill takes another kernel past a few rows
+            got = packed.mm(x, bias, kind).float()
             torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
     ids = torch.tensor([0, 63, 64, 100, 191])
     torch.testing.assert_close(packed.rows(ids).float(), want_w[ids], rtol=tol, atol=tol * 0.1)

@@ -9,7 +9,6 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from ..cache import KVCache
-from ..kernels import gemm, row_kernel
 from . import delta_net, hybrid_layers, moe, replay, rows
 from .llama_family import ALIGN_BYTES, aligned
 
@@ -93,28 +92,13 @@ class LinearState:
 RECURRENT_TYPES = ("linear_attention", "conv")
 
 
-def _padded_linear(m: torch.nn.Linear):
+def _dense_linear(m: torch.nn.Linear, fwd: "HFForward"):
+    """m's forward by the kernel policy's product for fwd's pass (kernels/dispatch.py): the
+    row kernel for the rows of steps and verify passes, a prefill's GEMM, or torch's with a
+    one-row product run as two rows where models/rows.py's probe says that makes a step's
+    products a verify pass's rows."""
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:            # one row: run as two identical rows
-            two = torch.cat([x.reshape(1, -1), x.reshape(1, -1)])
-            return torch.nn.functional.linear(two, m.weight, m.bias)[:1].view(*x.shape[:-1], -1)
-        return torch.nn.functional.linear(x, m.weight, m.bias)
-    return forward
-
-
-def _kernel_linear(m: torch.nn.Linear, forward_of, fwd):
-    """m's forward through the row kernel for the passes whose rows must be a one-token
-    step's (fwd._row_kernel); a prefill's float32 products through gemm.c where it runs
-    (kernels/gemm.py); else `forward_of` (torch's, padded where needed)."""
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        T = x.numel() // x.shape[-1]
-        x2, w_t = x.reshape(T, x.shape[-1]), m.weight.t()
-        if fwd._row_kernel(T):
-            if row_kernel.fits(x2, w_t, m.bias):
-                return row_kernel.linear(x2, w_t, m.bias).view(*x.shape[:-1], -1)
-        elif gemm.fits(x2, w_t, m.bias):
-            return gemm.f32(x2, w_t, m.bias).view(*x.shape[:-1], -1)
-        return forward_of(x)
+        return fwd._mm(x.reshape(-1, x.shape[-1]), m.weight.t(), m.bias).view(*x.shape[:-1], -1)
     return forward
 
 
@@ -154,11 +138,11 @@ class HFForward(rows.KernelPasses):
         # One-token steps' products as a verify pass's rows (models/rows.py): dense
         # nn.Linear layers run a single row as two when this machine's kernels need it.
         dense = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        self.rows = rows.check([(m.in_features, m.out_features) for m in dense], cache.dtype, cache.device)
-        self._kernel = self.rows.kernel
-        for m in dense:
-            plain = _padded_linear(m) if self.rows.pad else m.forward
-            m.forward = _kernel_linear(m, plain, self) if self._kernel else plain
+        self._use_rows(rows.check([(m.in_features, m.out_features) for m in dense], cache.dtype, cache.device),
+                       cache.dtype, cache.device)
+        if self._kernel or self._pad:
+            for m in dense:
+                m.forward = _dense_linear(m, self)
         for m in model.modules():
             if hasattr(m, "row_passes"):         # a packed weight's module (targets/module_quant.py)
                 m.row_passes = self

@@ -85,16 +85,13 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.clone()
 
 
-def _linear(x: torch.Tensor, w_t, bias: torch.Tensor | None = None, pad: bool = False,
-            kernel: bool = False) -> torch.Tensor:
-    """F.linear(x, w_t.T, bias) for 2-D x, as the same mm/addmm call it makes; through the
-    row kernel when `kernel`, else a one-row x run as two rows when `pad`
-    (models/rows.py: so a one-token step's products are a verify pass's rows). A weight
-    that is not a plain tensor (a packed int8/int4 one, targets/quantized.py) brings its
-    own kernels, row-invariant ones for steps and verify passes (`kernel`)."""
+def _linear(fwd: rows.KernelPasses, x: torch.Tensor, w_t, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w_t.T, bias) for 2-D x, by the kernel policy's product for the forward's
+    pass (kernels/dispatch.py): a dense weight's through the forward's routes, a packed one
+    (int8/int4, targets/qweights.py; GGUF blocks, gguf_file.py) through its own."""
     if isinstance(w_t, torch.Tensor):
-        return rows.mm(x, w_t, pad, kernel) if bias is None else rows.addmm(bias, x, w_t, pad, kernel)
-    return w_t.mm(x, bias, lone_rows=kernel or x.shape[0] == 1)
+        return fwd._mm(x, w_t, bias)
+    return w_t.mm(x, bias, fwd.pass_kind)
 
 
 class LlamaFamilyForward(rows.KernelPasses):
@@ -158,10 +155,9 @@ class LlamaFamilyForward(rows.KernelPasses):
         self._sum_mean = {n: norms.sum_matches_mean(n, cache.device) for n in widths}
         # Whether one-token steps' products must run as two rows to be a verify pass's rows
         H, KV, D, h = self.heads, self.kv_heads, self.head_dim, cfg.hidden_size
-        self.rows = rows.check([(h, (H + 2 * KV) * D), (H * D, h), (h, 2 * self.intermediate),
-                                (self.intermediate, h), (h, cfg.vocab_size)], cache.dtype, cache.device)
-        self._pad = self.rows.pad
-        self._kernel = self.rows.kernel
+        self._use_rows(rows.check([(h, (H + 2 * KV) * D), (H * D, h), (h, 2 * self.intermediate),
+                                   (self.intermediate, h), (h, cfg.vocab_size)], cache.dtype, cache.device),
+                       cache.dtype, cache.device)
 
     @staticmethod
     def _take_layer(layer) -> LayerWeights:
@@ -265,7 +261,7 @@ class LlamaFamilyForward(rows.KernelPasses):
         return F.embedding(ids, self.embed)
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.head, pad=self._pad, kernel=self._row_kernel(x.shape[0]))
+        return _linear(self, x, self.head)
 
     def __call__(self, ids: torch.Tensor | list[int], pos: int, all_logits: bool) -> torch.Tensor:
         T = len(ids) if isinstance(ids, list) else ids.shape[-1]
@@ -338,8 +334,7 @@ class LlamaFamilyForward(rows.KernelPasses):
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         half, inter = D // 2, self.intermediate
         x = self._rms(h, w.ln1)
-        pad, kernel = self._pad, self._row_kernel(T)
-        qkv = _linear(x, w.qkv, w.qkv_bias, pad, kernel).view(T, H + 2 * KV, D)
+        qkv = _linear(self, x, w.qkv, w.qkv_bias).view(T, H + 2 * KV, D)
         if w.q_norm is not None:
             qk = torch.cat([self._rms(qkv[:, :H], w.q_norm), self._rms(qkv[:, H:H + KV], w.k_norm)], 1)
             qk = qk.transpose(0, 1)
@@ -352,6 +347,6 @@ class LlamaFamilyForward(rows.KernelPasses):
             o = self._attend_rowwise(qk[None, :H], keys, values, pos)
         else:
             o = self._attend(qk[None, :H], keys, values, mask, causal)
-        h = h + _linear(o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias, pad, kernel)
-        gu = _linear(self._rms(h, w.ln2), w.gate_up, pad=pad, kernel=kernel)
-        return h + _linear(F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down, pad=pad, kernel=kernel)
+        h = h + _linear(self, o[0].transpose(0, 1).reshape(T, H * D), w.o, w.o_bias)
+        gu = _linear(self, self._rms(h, w.ln2), w.gate_up)
+        return h + _linear(self, F.silu(gu[:, :inter], inplace=True).mul_(gu[:, inter:]), w.down)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import gemm, row_kernel
+from ..kernels import dispatch, row_kernel
+from ..kernels.dispatch import Pass
 
 # Pass widths probed: every verify width up to 17 (max_draft 16), then the wider ones a
 # larger --max-draft reaches.
@@ -95,38 +96,33 @@ def _probe(shapes, dtype, device) -> RowCheck:
 
 
 class KernelPasses:
-    """Which products of a forward's pass run the row kernel: one-token steps and verify
-    passes (all logits, few rows), whose rows must be a one-token step's; a prefill keeps
-    torch's kernels, faster at many rows. A forward sets `_kernel` from its RowCheck and
-    calls `_begin_pass` at the start of each pass."""
-    _kernel = False
-    _verify_pass = False
+    """A forward's passes as the kernel policy sees them (kernels/dispatch.py): each pass's
+    kind (a prompt's prefill, a one-token step, a verify pass), set by `_begin_pass` at its
+    start, which every product of the pass is multiplied by; the routes of its dense weights;
+    and its RowCheck (`_use_rows`)."""
+    _kernel = False                 # one-token steps and verify passes run the row kernel
+    _pad = False                    # else torch's one-row products run as two rows
+    pass_kind = Pass.PREFILL
+    dense: dict = {}                # Pass -> dispatch.Route of the weights in the activation dtype
+
+    def _use_rows(self, check: RowCheck, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows, self._pad, self._kernel = check, check.pad, check.kernel
+        name = str(dtype).removeprefix("torch.")
+        self.dense = dispatch.routes(name, device, dtype) if name in dispatch.DENSE else {}
 
     def _begin_pass(self, T: int, all_logits: bool) -> None:
-        self._verify_pass = all_logits and T <= row_kernel.MAX_ROWS
+        self.pass_kind = dispatch.pass_of(T, all_logits)
 
     def lone_rows(self) -> bool:
-        """Whether this pass's rows must each be computed as a lone row (a verify pass; a
-        one-token step's single row is one anyway)."""
-        return self._verify_pass
+        """Whether this pass's rows must each be computed as a lone row (a step or a verify pass)."""
+        return self.pass_kind is not Pass.PREFILL
 
     def _row_kernel(self, T: int) -> bool:
-        return self._kernel and (T == 1 or self._verify_pass)
+        """Whether a product of T rows in this pass runs lone-row kernels (the row kernel, whole
+        layers in C): a step's or a verify pass's, or a prefill's single row (its last, for the
+        head)."""
+        return self._kernel and (T == 1 or self.pass_kind is not Pass.PREFILL)
 
-
-def mm(x: torch.Tensor, w_t: torch.Tensor, pad: bool, kernel: bool = False) -> torch.Tensor:
-    """x @ w_t, through the row kernel when `kernel` and it takes these operands, else
-    a single row run as two identical rows when `pad` (see the module doc)."""
-    if kernel and row_kernel.fits(x, w_t, None):
-        return row_kernel.linear(x, w_t)
-    if pad and x.shape[0] == 1:
-        return torch.mm(torch.cat([x, x]), w_t)[:1]
-    return torch.mm(x, w_t) if kernel else gemm.mm(x, w_t)      # a prefill's products may round apart
-
-
-def addmm(bias: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, pad: bool, kernel: bool = False) -> torch.Tensor:
-    if kernel and row_kernel.fits(x, w_t, bias):
-        return row_kernel.linear(x, w_t, bias)
-    if pad and x.shape[0] == 1:
-        return torch.addmm(bias, torch.cat([x, x]), w_t)[:1]
-    return torch.addmm(bias, x, w_t) if kernel else gemm.mm(x, w_t, bias)
+    def _mm(self, x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w_t (+ bias) for a weight in the activation dtype, by the policy's product for this pass."""
+        return dispatch.dense_mm(x, w_t, bias, self.dense[self.pass_kind].pick(x.shape[0]), self._pad)

@@ -24,23 +24,21 @@ from torch import nn
 
 from ..checkpoint import TensorEntry, check_finite, stored_name, tensor_index
 from ..errors import BadRequest, CheckpointError, UnsupportedModel
+from ..kernels.dispatch import Pass
 from . import qweights
 from .qcache import QuantCache
 
 
-def _lone_rows(passes, rows: int) -> bool:
-    """Whether a packed product of `rows` rows must compute each as a lone row (see
-    PackedLinear.row_passes)."""
-    return passes is None or rows == 1 or passes.lone_rows()
+def _kind(passes) -> Pass:
+    """The kind of the pass a packed product is part of (see PackedLinear.row_passes)."""
+    return Pass.STEP if passes is None else passes.pass_kind
 
 
 class PackedLinear(nn.Module):
     """nn.Linear's forward over a packed weight (any leading shape, as nn.Linear takes)."""
-    # The forward whose pass says whether this product's rows must be lone rows (a step or a
-    # verify pass, models/rows.KernelPasses; set by models/hf_forward.py). A prefill's rows
-    # need not be, and take the GEMM path: the lone-row kernels are matrix-vector ones (an
-    # 8192 x 2048 int8 matrix at 48 rows: 17.4 ms, dequantized in C and torch's GEMM: 3.1 ms;
-    # 2-core Xeon). None: always lone rows.
+    # The forward whose pass's kind this product is multiplied by (models/rows.KernelPasses;
+    # set by models/hf_forward.py): a step's and a verify pass's rows are lone rows, a
+    # prefill's take a GEMM past a few rows (kernels/dispatch.py). None: always a step.
     row_passes = None
 
     def __init__(self, weight, bias: torch.Tensor | None):
@@ -53,7 +51,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = self.w.mm(x2, self.bias, lone_rows=_lone_rows(self.row_passes, x2.shape[0]))
+        y = self.w.mm(x2, self.bias, _kind(self.row_passes))
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -101,7 +99,7 @@ class PackedExperts(nn.Module):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
-        lone = _lone_rows(self.row_passes, hidden_states.shape[0])
+        kind = _kind(self.row_passes)
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
@@ -109,8 +107,8 @@ class PackedExperts(nn.Module):
             if e == self.num_experts:
                 continue
             pos, rows = torch.where(mask[e])
-            gate, up = self.gate_up[e].mm(hidden_states[rows], lone_rows=lone).chunk(2, dim=-1)
-            h = self.down[e].mm((self.act_fn(gate) * up).contiguous(), lone_rows=lone)
+            gate, up = self.gate_up[e].mm(hidden_states[rows], None, kind).chunk(2, dim=-1)
+            h = self.down[e].mm((self.act_fn(gate) * up).contiguous(), None, kind)
             out.index_add_(0, rows, (h * top_k_weights[rows, pos, None]).to(out.dtype))
         return out
 

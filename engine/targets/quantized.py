@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels as lc_kernels
+from ..kernels import aten
 from ..cache import KVCache
 from ..checkpoint import default_cache_dir
 from ..errors import BadRequest, CheckpointError, UnsupportedModel
@@ -145,7 +146,7 @@ def load_quantized(path: Path, device: torch.device, weights: str, group_size: i
     cache = QuantCache(cache_path(Path(cache_dir) if cache_dir else default_cache_dir(), path, weights,
                                   group_size, act_dtype, embeddings, head), settings)
     progress = progress or (lambda what, done, total: None)
-    kernels = (qweights._int8_kernel_works(device, act_dtype), qweights._int4_kernel_works(device, act_dtype))
+    kernels = (aten.runs(device, act_dtype, "int8"), aten.runs(device, act_dtype, "int4"))
     info = lambda hit: QuantInfo(weights, group, embeddings, head, act_dtype, cache.dir, hit,  # noqa: E731
                                  time.perf_counter() - t0, *kernels)
     if why_not is not None:

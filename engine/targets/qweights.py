@@ -14,18 +14,14 @@ stores, and a *packed* form, the layout the device's kernel reads:
 Scales and zeros are rounded to the activation dtype *before* q is computed, so q is the
 best code for the parameters the kernel actually reads.
 
-Kernels: on a CPU with AVX-512, localchat's own for one-token steps and verify passes
-(engine/kernels/q8.c for int8, q4.c for int4 with bf16 activations: they read the
-canonical form, and layer.c runs whole quantized layers in one call); elsewhere PyTorch's
-own `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` (CUDA:
-`_weight_int4pack_mm`). Measured on the development CPU (2 threads, bf16, one
-decode-step matrix-vector product of SmolLM2-135M's shapes): aten int8 17-46 us per
-matrix against 112-337 us for torchao 0.18 `Int8WeightOnlyConfig` run eagerly (its tensor
-subclass dequantizes, then multiplies: its fast path exists only under torch.compile), and
-aten int4 17-45 us against 29-62 us for torchao's `PrototypeInt4WeightOnlyConfig`, which
-calls the same aten kernel behind a tensor-subclass dispatch. Same arithmetic, less
-overhead, no dependency: aten it is. Each kernel agrees with its format's definition to
-the rounding of its bf16 output (checked in tests/test_quantized.py)."""
+Kernels: which one multiplies a weight in a given pass is the kernel policy's choice
+(engine/kernels/dispatch.py): localchat's own for one-token steps and verify passes where
+they build (engine/kernels/q8.c for int8, q4.c for int4 with bf16 activations: they read
+the canonical form, and layer.c runs whole quantized layers in one call); elsewhere
+PyTorch's own `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` (CUDA:
+`_weight_int4pack_mm`; engine/kernels/aten.py), preferred over torchao's weight-only
+configs, which call the same kernels behind a tensor subclass, or dequantize per call when
+run eagerly. Each kernel agrees with its format's definition to the rounding of its bf16 output (checked in tests/test_quantized.py)."""
 from __future__ import annotations
 
 import math
@@ -33,20 +29,10 @@ import threading
 
 import torch
 
-from ..kernels import gemm, q4_kernel, q8_kernel
+from ..kernels import aten, dispatch, gemm, q4_kernel, q8_kernel
+from ..kernels.dispatch import Pass
 
 INT4_GROUPS = (32, 64, 128, 256)   # what the aten int4 kernels accept
-# Passes of more rows than this (a prompt's prefill) dequantize the weight and run the
-# device's dense GEMM: the int8/int4 kernels are matrix-vector kernels, one pass over the
-# weight per row, and a 256-row prefill through them is ~10x slower than dequantize +
-# GEMM. Decode steps and verify passes (at most 65 rows: max_draft <= 64) stay on the
-# kernel, so each row of a verify pass gets exactly what a one-token step gives it.
-GEMM_ROWS = 80
-# An int4 or int8 prefill (whose rows need not be lone rows) of more rows than this
-# dequantizes in C and runs torch's GEMM. int4 on Qwen3-1.7B's matrices: 2.5 against q4.c's
-# 3.1 ms at 16 rows, 3.1 against 7.3 at 44 (and 7.8 against 35 ms at 200 rows for the
-# dequantization in torch it replaced); q4.c wins up to about 8. int8: Int8Weight.mm.
-PREFILL_KERNEL_ROWS = 12
 _dense_buf = threading.local()       # _reused's buffer, one per thread
 _CHUNK = 1 << 20                   # elements quantized at once: bounds the float32 temporaries
 
@@ -169,38 +155,36 @@ def packed(c: dict[str, torch.Tensor], device: torch.device, act_dtype: torch.dt
 
 
 class Int8Weight:
-    """x @ w.T for a per-channel int8 weight: `_linear` in llama_family calls .mm. On a CPU
-    with AVX-512, localchat's own kernel (engine/kernels/q8.c, which also lets
+    """x @ w.T for a per-channel int8 weight: `_linear` in llama_family calls .mm with the
+    pass's kind, and the kernel policy (kernels/dispatch.py) picks the product: on a CPU
+    where it builds, localchat's own kernel (engine/kernels/q8.c, which also lets
     engine/kernels/layer.c run whole int8 layers), else aten's."""
 
     def __init__(self, c: dict[str, torch.Tensor], device: torch.device, act_dtype: torch.dtype):
         self.q = c["q"].to(device).contiguous()
         self.scale = c["scale"].to(device, act_dtype).contiguous()
         self.shape = tuple(self.q.shape)
-        self.own_kernel = (device.type == "cpu" and act_dtype in q8_kernel.SUFFIX and q8_kernel.available())
-        self.kernel = _int8_kernel_works(device, act_dtype)
+        self.format = "int8"
+        self.routes = dispatch.routes(self.format, device, act_dtype)
+        self.own_kernel = self.routes[Pass.STEP].product == "q8"
+        self.kernel = aten.runs(device, act_dtype, "int8")
 
-    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, lone_rows: bool = True) -> torch.Tensor:
-        """lone_rows: a step or a verify pass, whose rows must each be computed as a lone
-        row is (every kernel here does that); a prefill passes False, and one of more than
-        PREFILL_KERNEL_ROWS rows takes the weight dequantized in C and torch's GEMM: on the
-        matrices of Qwen3.5-35B-A3B's shape that took 5.7 against aten's int8 kernel's 9.6 ms
-        and q8.c's 18.7 at 44 rows (a tie at 16: q8.c is a matrix-vector kernel)."""
-        if not lone_rows and gemm.widens(x):
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, kind: Pass = Pass.STEP) -> torch.Tensor:
+        product = self.routes[kind].pick(x.shape[0])
+        if product == "widened":
             scale = self.scale.float()
             return gemm.blocks(x, self.shape[0], lambda n0, n1, out: out.copy_(self.q[n0:n1]).mul_(scale[n0:n1, None]),
                                bias)
-        if x.shape[0] > (GEMM_ROWS if lone_rows else PREFILL_KERNEL_ROWS):
+        if product == "decoded":
             if self.own_kernel and x.dtype == self.scale.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
                 w = q8_kernel.dequantize(self.q, self.scale, _reused(*self.shape, torch.bfloat16, x.device))
             else:
                 w = self._dense_reused(x.dtype)
             return torch.mm(x, w.t()) if bias is None else torch.addmm(bias.to(x.dtype), x, w.t())
-        elif (self.own_kernel and (lone_rows or not self.kernel) and x.dtype == self.scale.dtype
-              and not torch.compiler.is_compiling()):
+        if product == "q8" and x.dtype == self.scale.dtype and not torch.compiler.is_compiling():
             b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
             return q8_kernel.linear(x.contiguous(), self.q, self.scale, b)
-        elif self.kernel:
+        if self.kernel:
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
         else:
             # Exact to the definition too: |q| <= 128 is exact in bf16/fp16, and a
@@ -226,16 +210,17 @@ class Int8Weight:
 
 class Int4Weight:
     """x @ w.T for a group-wise int4 weight: in its canonical form where localchat's own
-    kernel runs (a CPU with AVX512-BF16, bf16 activations: engine/kernels/q4_kernel.py,
-    which also lets engine/kernels/layer.c run whole int4 layers), else in the device
-    kernel's packed layout (aten's)."""
+    kernel takes it (format "int4": a CPU where q4.c builds, bf16 activations; it also lets
+    engine/kernels/layer.c run whole int4 layers), else in the device kernel's packed layout
+    (format "int4 packed", aten's). The kernel policy (kernels/dispatch.py) picks the product."""
 
     def __init__(self, c: dict[str, torch.Tensor], device: torch.device, act_dtype: torch.dtype, group: int):
         N, half = c["q"].shape
         self.shape = (N, 2 * half)
         self.group = group
-        self.canonical = (device.type == "cpu" and act_dtype == torch.bfloat16
-                          and q4_kernel.shape_fits(N, 2 * half, group) and q4_kernel.available())
+        self.format = dispatch.int4_layout(N, 2 * half, group, device, act_dtype)
+        self.routes = dispatch.routes(self.format, device, act_dtype)
+        self.canonical = self.format == "int4"
         if self.canonical:
             self.q = c["q"].contiguous()
             self.scale = c["scale"].to(act_dtype).contiguous()
@@ -245,9 +230,9 @@ class Int4Weight:
         codes = int4_codes(c["q"])
         # [K/group, N, 2]: the kernels' scales-and-zeros layout.
         self.sz = torch.stack([c["scale"], c["zero"]], -1).transpose(0, 1).contiguous().to(device, act_dtype)
-        self.kernel = _int4_kernel_works(device, act_dtype)
+        self.kernel = aten.runs(device, act_dtype, "int4")
         if self.kernel:
-            self.packed = _pack_int4(codes.to(device))
+            self.packed = aten.pack_int4(codes.to(device))
             self._reader = _rows_reader(self.shape, device)
             self._reader.check(self.packed, codes)
         else:
@@ -255,23 +240,19 @@ class Int4Weight:
             self.packed = c["q"].to(device)
             self._reader = None
 
-    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, lone_rows: bool = True) -> torch.Tensor:
-        """lone_rows: as Int8Weight's. A prefill of more than PREFILL_KERNEL_ROWS rows
-        takes the weight dequantized in C and torch's GEMM, faster there than q4.c."""
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None, kind: Pass = Pass.STEP) -> torch.Tensor:
         x = x.contiguous()
-        if self.canonical:
-            limit = GEMM_ROWS if lone_rows else PREFILL_KERNEL_ROWS
-            if x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
-                if x.shape[0] <= limit:
-                    return q4_kernel.linear(x, self.q, self.scale, self.zero, self.group, bias)
-                if gemm.widens(x):
-                    return gemm.blocks(x, self.shape[0], lambda n0, n1, out: q4_kernel.dequantize_f32(
-                        self.q[n0:n1], self.scale[n0:n1], self.zero[n0:n1], self.group, out), bias)
-                w = q4_kernel.dequantize(self.q, self.scale, self.zero, self.group,
-                                         out=_reused(*self.shape, torch.bfloat16, x.device))
-                return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
-            y = torch.mm(x, self.dense(x.dtype).t())
-        elif not self.kernel or x.shape[0] > GEMM_ROWS:
+        product = self.routes[kind].pick(x.shape[0])
+        if self.canonical and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+            if product == "q4":
+                return q4_kernel.linear(x, self.q, self.scale, self.zero, self.group, bias)
+            if product == "widened":
+                return gemm.blocks(x, self.shape[0], lambda n0, n1, out: q4_kernel.dequantize_f32(
+                    self.q[n0:n1], self.scale[n0:n1], self.zero[n0:n1], self.group, out), bias)
+            w = q4_kernel.dequantize(self.q, self.scale, self.zero, self.group,
+                                     out=_reused(*self.shape, torch.bfloat16, x.device))
+            return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
+        if product != "aten" or not self.kernel:
             y = torch.mm(x, self.dense(x.dtype).t())
         elif x.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.sz)
@@ -309,18 +290,6 @@ class Int4Weight:
         return [self.q, self.scale, self.zero] if self.canonical else [self.packed, self.sz]
 
 
-def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """[N, K] codes -> the device kernel's packed layout."""
-    if codes.device.type == "cpu":
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    # The CUDA converter takes [N, K/2] uint8 with the even k in the high nibble (as torchao
-    # feeds it) and tiles K by inner_k_tiles * 16: take the largest tiling that divides K.
-    K = codes.shape[1]
-    tiles = next(t for t in (8, 4, 2) if K % (t * 16) == 0)
-    u8 = (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-    return torch.ops.aten._convert_weight_to_int4pack(u8, tiles)
-
-
 class _PackedRows:
     """Reads single rows back out of a kernel-packed int4 weight, so a tied head can serve
     as the embedding table without a second copy. The packed layout is the kernel's own
@@ -342,7 +311,7 @@ class _PackedRows:
         digits = max(1, math.ceil(math.log2(P * K) / 4))
         slots = None
         for d in range(digits):
-            packed = _pack_int4(((index >> (4 * d)) & 0xF).to(torch.uint8).to(device))
+            packed = aten.pack_int4(((index >> (4 * d)) & 0xF).to(torch.uint8).to(device))
             b = packed.contiguous().view(torch.uint8).reshape(-1).cpu().long()
             nib = torch.stack([b & 0xF, b >> 4], -1).reshape(-1)   # slot s = 2 * byte + high
             slots = torch.arange(nib.numel()) if slots is None else slots
@@ -397,41 +366,3 @@ def _rows_reader(shape: tuple[int, int], device: torch.device) -> _PackedRows:
     if key not in _READERS:
         _READERS[key] = _PackedRows(shape, device)
     return _READERS[key]
-
-
-def _int8_kernel_works(device: torch.device, dtype: torch.dtype) -> bool:
-    return _kernel_runs(device, dtype, "int8")
-
-
-def _int4_kernel_works(device: torch.device, dtype: torch.dtype) -> bool:
-    return _kernel_runs(device, dtype, "int4")
-
-
-_KERNEL_OK: dict[tuple, bool] = {}
-
-
-def _kernel_runs(device: torch.device, dtype: torch.dtype, fmt: str) -> bool:
-    """Whether this torch build has the aten kernel for this device and activation dtype:
-    tried once on a small weight and compared with the definition (a kernel that runs
-    but answers otherwise would be worse than none)."""
-    key = (device.type, dtype, fmt)
-    if key not in _KERNEL_OK:
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(64, 256, generator=g) * 0.05
-        x = torch.randn(2, 256, generator=g).to(dtype)
-        try:
-            if fmt == "int8":
-                c = quantize_int8(w, dtype)
-                y = torch.ops.aten._weight_int8pack_mm(x.to(device), c["q"].to(device), c["scale"].to(device))
-            else:
-                c = quantize_int4(w, 32, dtype)
-                sz = torch.stack([c["scale"], c["zero"]], -1).transpose(0, 1).contiguous().to(device)
-                packed = _pack_int4(int4_codes(c["q"]).to(device))
-                op = (torch.ops.aten._weight_int4pack_mm_for_cpu if device.type == "cpu"
-                      else torch.ops.aten._weight_int4pack_mm)
-                y = op(x.to(device), packed, 32, sz)
-            want = x.float() @ dequantize(c).t()
-            _KERNEL_OK[key] = bool(torch.allclose(y.float().cpu(), want, rtol=0.02, atol=0.02))
-        except (RuntimeError, NotImplementedError):
-            _KERNEL_OK[key] = False
-    return _KERNEL_OK[key]

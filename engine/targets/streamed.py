@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from .. import planner
 from ..errors import BadRequest, EngineError, UnsupportedModel
-from ..kernels import layer_kernel
-from ..models import llama_family, moe, rows
+from ..kernels import dispatch, layer_kernel
+from ..models import llama_family, moe
 from . import layer_index, streamed_modules
 from .resident import ResidentTarget
 from .prefetch import Counters, Filler, Files, Ledger, Prefetcher, Slot, byte_view
@@ -113,7 +113,7 @@ class StreamedForward(llama_family.LlamaFamilyForward):
         return self.t.embed_rows(ids)
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:
-        return self.t.head(x, self._row_kernel(x.shape[0]))
+        return self.t.head(x, self.dense[self.pass_kind].pick(x.shape[0]))
 
     def steps_in_kernels(self, views) -> bool:
         """Whether a one-token step runs in localchat's kernels from the first layer to the
@@ -130,20 +130,20 @@ class StreamedForward(llama_family.LlamaFamilyForward):
 class StreamedTarget:
     """Same interface as ResidentTarget: forward(ids, all_logits), cache, weight_bytes()."""
 
-    def head(self, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
-        """The output head over normed hidden rows, chunk by chunk (resident or streamed);
-        through the row kernel when `kernel` (the forward's _row_kernel)."""
+    def head(self, x: torch.Tensor, product: str = "torch") -> torch.Tensor:
+        """The output head over normed hidden rows, chunk by chunk (resident or streamed), by
+        `product`, the kernel policy's for the forward's pass (kernels/dispatch.py)."""
         t = self
         parts = []
         for unit in t.index.head_units:
             flat = t.resident.get(unit.name)
             pad = t.pad_rows             # as the resident head's product (models/rows.py)
             if flat is not None:
-                parts.append(rows.mm(x, flat[:unit.numel].view(unit.rows, -1).t(), pad, kernel))
+                parts.append(dispatch.dense_mm(x, flat[:unit.numel].view(unit.rows, -1).t(), None, product, pad))
                 continue
             slot = t.prefetcher.take(unit)
             try:
-                parts.append(rows.mm(x, slot.flat[:unit.numel].view(unit.rows, -1).t(), pad, kernel))
+                parts.append(dispatch.dense_mm(x, slot.flat[:unit.numel].view(unit.rows, -1).t(), None, product, pad))
             finally:
                 t.prefetcher.give(slot)
         return parts[0] if len(parts) == 1 else torch.cat(parts, 1)

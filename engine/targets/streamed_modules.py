@@ -225,4 +225,4 @@ class StreamedModulesForward(hf_forward.HFForward):
         h = out.last_hidden_state[0]
         if not all_logits:
             h = h[-1:]
-        return self.t.head(h, self._row_kernel(h.shape[0])).float()
+        return self.t.head(h, self.dense[self.pass_kind].pick(h.shape[0])).float()
