@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from . import checkpoint as _checkpoint
 from . import kernels, planner
-from .kernels import gemm
+from .kernels import dispatch
 from .drafters import ModelDrafter, MtpDrafter, NgramDrafter, NoDrafter, check_compatible
 from .cache import RecurrentCache
 from .errors import BadRequest, CheckpointError
@@ -145,13 +146,30 @@ class Engine:
         and how this engine computes its cache."""
         if self._resume_key is None:
             c, t = self.target.cache, self.target
+            k = self.kernels
             how = [self.plan.chosen if self.plan else None, _weights_label(t), t.kind, str(self.dtype),
-                   str(self.device), kernels.note(self.dtype) if self.device.type == "cpu" else "",
-                   _prefill_gemm(self), _graph_note(self), type(c).__name__, c.layers, c.kv_heads, c.head_dim,
-                   str(c.dtype)]
+                   str(self.device), k.build, {f: {p.value: d for p, d in by.items()} for f, by in k.products.items()},
+                   _graph_note(self), type(c).__name__, c.layers, c.kv_heads, c.head_dim, str(c.dtype)]
             self._resume_key = (source_identity(self.checkpoint.path)[:16],
                                 hashlib.sha256(json.dumps(how).encode()).hexdigest()[:8])
         return self._resume_key
+
+    @property
+    def kernels(self) -> dispatch.Kernels:
+        """The kernel policy as this engine runs it (kernels/dispatch.py): the product of each
+        of its weight formats in each kind of pass, whether a verify pass's rows are
+        one-token steps, and what runs whole layers or passes. What describe(), `doctor` and
+        the tests read."""
+        impl = getattr(self.target, "impl", None)
+        whole = {"layer_kernel": getattr(impl, "layer_kernel_note", "not this forward")}  # '' when it runs
+        for key, note in (("graph_step", _graph_note(self)), ("experts", _experts_note(self)),
+                          ("delta_net", getattr(impl, "delta_net_note", "")),
+                          ("hybrid_layers", getattr(impl, "hybrid_note", ""))):
+            if note:
+                whole[key] = note
+        rows = getattr(impl, "rows", None)
+        return dispatch.Kernels.of(_weight_formats(self.target), self.device, self.dtype,
+                                   rows.reason if rows is not None else "", whole)
 
     def claim_cache(self, chat: Chat) -> None:
         """One KV cache per engine: a chat that did not fill it last starts from empty (the
@@ -173,24 +191,8 @@ class Engine:
                 "draft_tokens": self.draft_tokens if self.draft_tokens is not None else "adaptive",
                 "profile": self.plan.chosen if self.plan else None,
                 "weights": _weights_label(t), "drafter_note": self.drafter_note,
-                # whether a verify pass's rows are, bit for bit, one-token steps (models/rows.py)
-                "verify_rows": getattr(getattr(t, "impl", None), "rows", None) and t.impl.rows.reason,
-                # the instruction set the C kernels were built for here (engine/kernels/row_kernel.py)
-                "kernels": kernels.note(self.dtype) if self.device.type == "cpu" else "not on this device",
-                # a float32 prefill's products: gemm.c's or torch's (engine/kernels/gemm.py)
-                **({"prefill_gemm": g} if (g := _prefill_gemm(self)) else {}),
-                # why one-token steps do not run the layer kernel ("" when they do)
-                "layer_kernel": getattr(getattr(t, "impl", None), "layer_kernel_note", "not this forward"),
-                # on a GPU: whether steps and verify passes run as one compiled graph (models/graph_step.py)
-                **({"graph_step": note} if (note := _graph_note(self)) else {}),
-                # a mixture of experts: whether its routed experts run in the kernel (models/moe.py)
-                **({"experts": note} if (note := _experts_note(self)) else {}),
-                # a hybrid: whether its gated delta-net layers step in C (models/delta_net.py)
-                **({"delta_net": note} if (note := getattr(getattr(t, "impl", None), "delta_net_note", ""))
-                   else {}),
-                # Qwen3.5: whether its decoder layers run whole in C (models/hybrid_layers.py)
-                **({"hybrid_layers": note} if (note := getattr(getattr(t, "impl", None), "hybrid_note", ""))
-                   else {}),
+                # how every product and pass runs here: kernels/dispatch.py's policy
+                **self.kernels.as_dict(),
                 **({"streaming": t.describe()} if hasattr(t, "stream_stats") else {})}
 
 
@@ -199,6 +201,35 @@ def _graph_note(eng) -> str:
     impl = getattr(eng.target, "impl", None)
     graph = getattr(impl, "_graph", None)
     return f"compiled, {graph.width} rows a pass" if graph is not None else getattr(impl, "graph_note", "")
+
+
+def _weight_formats(target) -> list[str]:
+    """The formats of the matrices the target's forward multiplies (kernels/dispatch.py's
+    names: a dense dtype, int8, int4, a GGUF block type), the most frequent first."""
+    found: Counter = Counter()
+    impl = getattr(target, "impl", None)
+
+    def add(w) -> None:
+        fmt = getattr(w, "format", None)
+        if isinstance(fmt, str):
+            found.update(fmt.split("+"))
+        elif isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point():
+            found[str(w.dtype).removeprefix("torch.")] += 1
+
+    for layer in getattr(impl, "layers", None) or []:
+        for w in vars(layer).values():
+            add(w)
+    add(getattr(impl, "head", None))
+    model = getattr(impl, "model", None)
+    for m in model.modules() if isinstance(model, torch.nn.Module) else []:
+        if isinstance(m, torch.nn.Linear):
+            add(m.weight)
+        add(getattr(m, "w", None))                        # a packed linear (targets/module_quant.py)
+        for experts in (getattr(m, "gate_up", None), getattr(m, "down", None)):
+            for w in experts if isinstance(experts, list) else []:
+                add(w)
+    formats = [f for f, _ in found.most_common() if f in dispatch.DENSE or f in dispatch.QUANTIZED]
+    return formats or [str(target.dtype).removeprefix("torch.")]
 
 
 def _experts_note(eng) -> str:
@@ -219,11 +250,6 @@ def _can_draft(target) -> bool:
     recurrent one when every recurrent layer has a replay (engine/models/replay.py)."""
     cache = target.cache
     return not isinstance(cache, RecurrentCache) or len(cache.replays) == len(cache.states) > 0
-
-
-def _prefill_gemm(eng) -> str:
-    """Which GEMM a float32 CPU engine's prefill products run ('' for other engines)."""
-    return gemm.note() if eng.device.type == "cpu" and eng.dtype == torch.float32 else ""
 
 
 def _weights_label(target) -> str:

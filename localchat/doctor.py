@@ -138,7 +138,8 @@ def doctor_main(argv: list[str]) -> int:
                                                    "params": shape.params, "dtype_bytes": shape.dtype_bytes,
                                                    "planned_from": planned_from},
                "bandwidth": read, "sampling": _sampling_dict(ckpt.path, settings) if ckpt else None,
-               "plan": plan.as_dict(), "fidelity": {k: v.as_dict() for k, v in fid.items()},
+               "plan": plan.as_dict(), "products": _products(plan, profs, shape, hw, ckpt).as_dict()["products"],
+               "fidelity": {k: v.as_dict() for k, v in fid.items()},
                "file_check": checked.as_dict() if checked else None,
                "retired_compiled_steps": {"path": str(leftover[0]), "bytes": leftover[1]} if leftover else None}
         print(json.dumps(out, indent=2))
@@ -160,6 +161,9 @@ def doctor_main(argv: list[str]) -> int:
         limit, why = planner.context_limit(plan.row(plan.chosen), shape.max_positions or planned, args.context)
         print(f"Context: a conversation may grow to {limit:,} tokens under {plan.chosen}: {why}. The chat UI "
               "offers to drop or summarise the oldest turns before one would not fit.")
+    products = _products_text(plan, profs, shape, hw, ckpt)
+    if products:
+        print(products)
     if ckpt is not None:
         print(_sampling_text(ckpt.path, settings))
     threads = _streaming_threads_text(plan, shape, hw)
@@ -397,12 +401,46 @@ def _kernel_text() -> str:
         why = st[name]
         title = name[0].upper() + name[1:]
         lines.append(f"{title} kernel: {ready_text}" if not why else f"{title} kernel: not used, {why}; {instead} instead")
-    from engine.kernels import gemm
-    bf16 = "torch's" if gemm.native_bf16() else "widened to float32, then the float32 one"
-    lines.append(f"Prefill products: float32 {gemm.note()}; bfloat16 {bf16}")
     from engine import openmp
     lines.append(openmp.describe())
     return "\n".join(lines)
+
+
+def _products(plan, profs, shape, hw, ckpt):
+    """The kernel policy (engine/kernels/dispatch.py) for the weights the chosen profile holds:
+    what multiplies each format in steps, verify passes and a prefill, on this machine."""
+    import torch
+
+    import engine
+    from engine import hardware, kernels
+    from engine.kernels import dispatch
+    device = hardware.pick_device(hw.device)
+    prof = next((p for p in profs if p.name == plan.chosen), None)
+    if prof is None:
+        return dispatch.Kernels.of([], device, torch.float32)
+    if prof.weights == "gguf" and ckpt is not None and ckpt.gguf is not None:
+        from engine.gguf_reader import read
+        from engine.kernels import gguf_kernel
+        kinds = [t.kind for t in read(ckpt.gguf)[1].values() if len(t.shape) >= 2]
+        formats = [k for k in dict.fromkeys(kinds) if k in gguf_kernel.TYPES]
+        return dispatch.Kernels.of(formats, device, torch.float32)
+    if prof.weights == "exact":
+        act = kernels.default_dtype(device, torch.bfloat16 if shape.dtype_bytes == 2 else torch.float32)
+        return dispatch.Kernels.of([str(act).removeprefix("torch.")], device, act)
+    act = engine.quant_act_dtype(device)
+    layers = prof.weights
+    if layers == "int4" and dispatch.int4_layout(256, 256, prof.group_size, device, act) != "int4":
+        layers = "int4 packed"
+    head = prof.head_format if prof.head_format != "exact" else str(act).removeprefix("torch.")
+    return dispatch.Kernels.of(list(dict.fromkeys([layers, head])), device, act)
+
+
+def _products_text(plan, profs, shape, hw, ckpt) -> str:
+    lines = _products(plan, profs, shape, hw, ckpt).lines()
+    if not lines:
+        return ""
+    return "\n".join([f"Products under {plan.chosen} (engine/kernels/dispatch.py, the one kernel policy):"]
+                     + [f"  {line}" for line in lines])
 
 
 def _hw_text(hw) -> str:

@@ -86,14 +86,6 @@ def own_f32() -> bool:
     return (forced or hardware.cpu_vendor() != "GenuineIntel") and why_not() == ""
 
 
-def note() -> str:
-    """Which GEMM a prefill's float32 products run, for Engine.describe()."""
-    if own_f32():
-        return "localchat's own (gemm.c)"
-    why = why_not()
-    return f"torch's ({why})" if why else "torch's (MKL, the faster on Intel)"
-
-
 def fits(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether mm() takes these to f32(): float32 on the CPU, x with unit column stride, w_t
     a transposed view of an [N, K] weight with unit column stride, bias contiguous, where
