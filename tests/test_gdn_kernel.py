@@ -133,3 +133,19 @@ def test_an_engine_calls_it_inside_its_own_passes_only(tmp_path, tokenizer):
     assert Q.torch_recurrent_gated_delta_rule.__module__ == Q.__name__
     assert Q.torch_chunk_gated_delta_rule.__module__ == Q.__name__
     assert Q.causal_conv1d_update.__module__ == Q.__name__
+
+
+def test_a_prefills_bf16_causal_conv_in_float32_is_transformers_conv():
+    """delta_net's CONV_FN: the same causal conv in float32, rounded once to bf16, as
+    transformers' bf16 conv (which also sums in float): within one bf16 rounding."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+    from engine.models import delta_net
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 96, 23, generator=g).bfloat16()
+    w = (torch.randn(96, 4, generator=g) * 0.5).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    ours = delta_net._float_conv(q35.causal_conv1d_fn)(x, w, b, activation="silu")
+    want = q35.causal_conv1d_fn(x, w, b, activation="silu")
+    assert ours.dtype == want.dtype == torch.bfloat16 and ours.shape == want.shape == x.shape
+    torch.testing.assert_close(ours.float(), want.float(), rtol=2 ** -7, atol=2 ** -7)

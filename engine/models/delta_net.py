@@ -1,5 +1,5 @@
 """Gated delta-net layers (Qwen3.5, Qwen3-Next) with their per-token conv and recurrence in
-C (kernels/gdn_kernel.py).
+C (kernels/gdn_kernel.py), and a prefill's causal conv in float32 where the weights are bf16.
 
 A layer's forward calls the conv update and the recurrence (and in a prefill the chunked
 rule) by their names in its modeling module, so the C versions take those names while one
@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 import threading
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import gdn_kernel
@@ -24,7 +26,11 @@ CONV, RULE = "causal_conv1d_update", "torch_recurrent_gated_delta_rule"
 # (Qwen3.5-2B's delta-net heads, bf16, in one call: 44 tokens 1.2 against 2.4 ms, 480
 # tokens 13.1 against 27.6; 2-core Xeon).
 CHUNK = "torch_chunk_gated_delta_rule"
-NAMES = (CONV, RULE, CHUNK)
+# A prefill's causal conv: transformers' in the weight's dtype, which for bf16 on a CPU runs
+# aten's depthwise conv one channel at a time (most of a bf16 hybrid's prefill); the same
+# conv in float32, rounded once to bf16 as aten's bf16 conv rounds its float sums, is one call.
+CONV_FN = "causal_conv1d_fn"
+NAMES = (CONV, RULE, CHUNK, CONV_FN)
 _lock = threading.Lock()
 _active: dict[str, int] = {}          # modeling module -> passes in flight
 _saved: dict[str, tuple] = {}         # modeling module -> transformers' own functions, by NAMES
@@ -58,6 +64,23 @@ class Scope:
                             setattr(mod, attr, fn)
 
 
+def _float_conv(fn):
+    """transformers' causal_conv1d_fn with a bf16 weight computed in float32 (CONV_FN)."""
+    from transformers.activations import ACT2FN
+
+    def conv_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        if weight.dtype != torch.bfloat16 or not hidden_states.is_cpu:
+            return fn(hidden_states, weight, bias=bias, activation=activation, **kwargs)
+        _, channels, T = hidden_states.shape
+        out = F.conv1d(hidden_states.to(weight.dtype).float(), weight.float().unsqueeze(1),
+                       None if bias is None else bias.float(), padding=weight.shape[-1] - 1, groups=channels)
+        out = out[:, :, :T].to(weight.dtype)
+        if activation is not None:
+            out = ACT2FN[activation](out)
+        return out.to(hidden_states.dtype)
+    return conv_fn
+
+
 def install(model: nn.Module) -> tuple[Scope, str]:
     """The scope to run `model`'s passes in, and a note for describe() ('' without delta-net layers)."""
     layers = [m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "conv1d")]
@@ -74,9 +97,10 @@ def install(model: nn.Module) -> tuple[Scope, str]:
             mod = sys.modules[n]
             if n not in _saved:
                 _saved[n] = tuple(getattr(mod, attr, None) for attr in NAMES)
-            conv, rule, chunk = _saved[n]
+            conv, rule, chunk, conv_fn = _saved[n]
             modules[n] = (gdn_kernel.conv_update(conv), gdn_kernel.delta_rule(rule),
-                          gdn_kernel.delta_rule(chunk) if chunk is not None else None)
+                          gdn_kernel.delta_rule(chunk) if chunk is not None else None,
+                          _float_conv(conv_fn) if conv_fn is not None else None)
     for m in layers:
         m._localchat_fns = modules[type(m).__module__][:2]
     return Scope(modules), (f"the {len(layers)} gated delta-net layers step their conv and recurrence in C, "
