@@ -255,7 +255,9 @@ def _can_draft(target) -> bool:
 def _weights_label(target) -> str:
     formats = getattr(target, "formats", None)           # a GGUF file's blocks, as stored
     if formats:
-        return "GGUF " + ", ".join(k for k, _ in formats.most_common())
+        odd = getattr(target, "converted", None)
+        return "GGUF " + ", ".join(k for k, _ in formats.most_common()) + (
+            f" ({', '.join(odd)} converted at load)" if odd else "")
     quant = getattr(target, "quant", None)
     if quant is None:
         return "exact"

@@ -12,11 +12,82 @@ kernels (every row a lone row), a prefill of more than a few rows through the GE
 weight decoded a few rows at a time (never a float32 copy of the whole weight)."""
 from __future__ import annotations
 
+import functools
+from collections import Counter
+
+import numpy as np
 import torch
 
 from .gguf_reader import Tensor
 from .kernels import dispatch, gguf_kernel
 from .kernels.dispatch import Pass
+
+
+# The block format a tensor without a kernel here (IQ1-IQ3, TQ1_0/TQ2_0, MXFP4, ...) becomes
+# at load: its values decoded by gguf-py and each block of 32 rounded to 8 bits with a
+# half-float scale, so what runs stays within 8-bit rounding of the file (the memory grows
+# to 8.5 bits a weight; `doctor` says so).
+CONVERT_TO = "Q8_0"
+_CHUNK = 1 << 22                     # weights decoded at once: bounds the float32 temporaries
+
+
+@functools.lru_cache(maxsize=None)
+def converted(kind: str) -> bool:
+    """Whether tensors of this GGUF type are converted at load (no kernel reads it, gguf-py decodes it)."""
+    if kind == "F32" or kind in gguf_kernel.TYPES:
+        return False
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+    try:
+        qtype = GGMLQuantizationType[kind]
+        quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except (KeyError, NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def converted_kinds(tensors: dict[str, Tensor]) -> Counter:
+    """The GGUF types of a file's matrices that are converted at load, with their counts."""
+    return Counter(t.kind for t in tensors.values() if len(t.shape) >= 2 and converted(t.kind))
+
+
+def held_bytes(t: Tensor) -> int:
+    """The bytes a tensor takes once loaded: as stored, or as CONVERT_TO where it is converted."""
+    if converted(t.kind):
+        n = 1
+        for d in t.shape:
+            n *= d
+        return n // 32 * 34
+    return t.data.numel() * t.data.element_size()
+
+
+def runnable(t: Tensor) -> Tensor:
+    """t where a kernel reads its format (or it is float), else t converted to CONVERT_TO."""
+    if not converted(t.kind):
+        return t
+    from gguf import GGMLQuantizationType, quants
+    qtype = GGMLQuantizationType[t.kind]
+    K = t.shape[-1]
+    raw = t.data.reshape(-1, t.data.shape[-1])
+    out = torch.empty(raw.shape[0], K // 32 * 34, dtype=torch.uint8)
+    step = max(1, _CHUNK // K)
+    for a in range(0, raw.shape[0], step):
+        values = torch.from_numpy(quants.dequantize(raw[a:a + step].numpy(), qtype)).float()
+        out[a:a + step] = q8_0(values)
+    return Tensor(t.name, CONVERT_TO, t.shape, out.view(*t.shape[:-1], -1))
+
+
+def q8_0(values: torch.Tensor) -> torch.Tensor:
+    """Rows of float values [n, K] as Q8_0 blocks [n, K/32 * 34], as llama.cpp's reference
+    quantizer writes them (scale = largest magnitude / 127, codes rounded to nearest)."""
+    n, K = values.shape
+    v = values.view(n, K // 32, 32)
+    d = v.abs().amax(-1) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(v * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    blocks = torch.empty(n, K // 32, 34, dtype=torch.uint8)
+    blocks[..., :2] = d.to(torch.float16).view(torch.uint8).view(n, K // 32, 2)
+    blocks[..., 2:] = q.view(torch.uint8)
+    return blocks.view(n, -1)
 
 
 def dense(t: Tensor) -> torch.Tensor:

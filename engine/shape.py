@@ -226,6 +226,7 @@ class ModelShape:
         its parameters and bytes from the file's tensor table (no weight is read). Counted
         as a float32 checkpoint of the same weights (what the other profiles load: the
         import's dequantized copy), and as the file's bytes for resident-gguf."""
+        from .gguf_file import held_bytes
         from .gguf_reader import read
         where = Path(config_dir) / "config.json"
         try:
@@ -240,7 +241,7 @@ class ModelShape:
             n = 1
             for d in t.shape:
                 n *= d
-            size = t.data.numel() * t.data.element_size()        # as held: F16 widens to float32
+            size = held_bytes(t)             # as held: F16 widens to float32, a type without a kernel converts
             if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) >= 2 \
                     and not t.name.endswith("ffn_gate_inp.weight"):
                 linear += n

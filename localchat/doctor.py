@@ -359,6 +359,7 @@ def _gguf_text(gguf) -> str:
     whether they run as stored here."""
     from collections import Counter
 
+    from engine.gguf_file import CONVERT_TO, converted_kinds, held_bytes
     from engine.gguf_reader import read
     from engine.targets.gguf_target import gguf_why_not
     _, tensors = read(gguf)
@@ -366,7 +367,14 @@ def _gguf_text(gguf) -> str:
     mix = ", ".join(f"{k} ({n})" for k, n in kinds.most_common())
     why = gguf_why_not(gguf)
     runs = "its blocks run as stored (resident-gguf)" if not why else f"resident-gguf does not run it: {why}"
-    return f"File: {gguf} · {human_bytes(gguf.stat().st_size)} · matrices in {mix}; {runs}"
+    line = f"File: {gguf} · {human_bytes(gguf.stat().st_size)} · matrices in {mix}; {runs}"
+    odd = converted_kinds(tensors)
+    if odd and not why:
+        grown = sum(held_bytes(t) - t.data.numel() for t in tensors.values() if t.kind in odd)
+        line += (f"\nConverted at load: {', '.join(odd)} blocks have no kernel here yet, so they are decoded and "
+                 f"held as {CONVERT_TO} (within 8-bit rounding of the file's values; {human_bytes(grown)} more "
+                 "memory than the file, counted in the plan)")
+    return line
 
 
 def _kernel_text() -> str:
@@ -409,6 +417,8 @@ def _kernel_text() -> str:
 def _products(plan, profs, shape, hw, ckpt):
     """The kernel policy (engine/kernels/dispatch.py) for the weights the chosen profile holds:
     what multiplies each format in steps, verify passes and a prefill, on this machine."""
+    from collections import Counter
+
     import torch
 
     import engine
@@ -419,11 +429,11 @@ def _products(plan, profs, shape, hw, ckpt):
     if prof is None:
         return dispatch.Kernels.of([], device, torch.float32)
     if prof.weights == "gguf" and ckpt is not None and ckpt.gguf is not None:
+        from engine.gguf_file import CONVERT_TO, converted
         from engine.gguf_reader import read
-        from engine.kernels import gguf_kernel
-        kinds = [t.kind for t in read(ckpt.gguf)[1].values() if len(t.shape) >= 2]
-        formats = [k for k in dict.fromkeys(kinds) if k in gguf_kernel.TYPES]
-        return dispatch.Kernels.of(formats, device, torch.float32)
+        kinds = Counter("float32" if t.kind == "F32" else CONVERT_TO if converted(t.kind) else t.kind
+                        for t in read(ckpt.gguf)[1].values() if len(t.shape) >= 2)
+        return dispatch.Kernels.of([k for k, _ in kinds.most_common()], device, torch.float32)
     if prof.weights == "exact":
         act = kernels.default_dtype(device, torch.bfloat16 if shape.dtype_bytes == 2 else torch.float32)
         return dispatch.Kernels.of([str(act).removeprefix("torch.")], device, act)

@@ -13,9 +13,11 @@ import numpy as np
 import torch
 
 
-def write_gguf(src: Path, out: Path, sampling: dict | None = None) -> Path:
+def write_gguf(src: Path, out: Path, sampling: dict | None = None, types: dict[str, str] | None = None) -> Path:
     """`sampling`: general.sampling.* keys to write, as llama.cpp's converter copies them
-    from a generation_config.json ({"temp": 0.6, "top_p": 0.95, "top_k": 20})."""
+    from a generation_config.json ({"temp": 0.6, "top_p": 0.95, "top_k": 20}). `types`: a
+    GGUF tensor name's ending -> the block type gguf-py's quantizer writes it in
+    ({"ffn_down.weight": "MXFP4"}); the rest float32."""
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
@@ -50,6 +52,9 @@ def write_gguf(src: Path, out: Path, sampling: dict | None = None) -> Path:
                     [cfg.num_key_value_heads if t == "full_attention" else 0 for t in cfg.layer_types])
     else:
         w.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
+    if getattr(cfg, "head_dim", None) and arch != "lfm2":      # as llama.cpp's converter states it
+        w.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", cfg.head_dim)
     tok = AutoTokenizer.from_pretrained(src)
     import json
     state = json.loads(tok.backend_tokenizer.to_str())
@@ -75,7 +80,12 @@ def write_gguf(src: Path, out: Path, sampling: dict | None = None) -> Path:
         a = t.detach().float().numpy()
         if arch == "lfm2" and name.endswith("conv.conv.weight"):
             a = a[:, 0, :]                       # GGUF keeps the depthwise kernel as [hidden, L]
-        w.add_tensor(to_gguf[name], np.ascontiguousarray(a))
+        kind = next((k for end, k in (types or {}).items() if to_gguf[name].endswith(end)), None)
+        if kind is None:
+            w.add_tensor(to_gguf[name], np.ascontiguousarray(a))
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(to_gguf[name], gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModel
-from ..gguf_file import GGUFWeight, dense
+from ..gguf_file import GGUFWeight, converted_kinds, dense
 from ..gguf_reader import read
 from ..kernels import gguf_kernel
 from ..models import hf_forward
@@ -121,8 +121,8 @@ class SplitBA(nn.Module):
 class GGUFModulesTarget(ResidentTarget):
     """ResidentTarget's interface over transformers' modules holding a GGUF file's blocks."""
 
-    def __init__(self, gguf: Path, config_dir: Path, cache_capacity: int = 1024):
-        _, tensors = read(gguf)
+    def __init__(self, gguf: Path, config_dir: Path, tensors: dict, cache_capacity: int = 1024):
+        """`tensors`: the file's, with the blocks no kernel reads converted (gguf_target.load_gguf)."""
         cfg, _, _ = _skeleton(Path(config_dir))
         model = module_quant.skeleton(Path(config_dir), cfg)
         _fill(model, cfg, tensors, gguf)
@@ -133,6 +133,7 @@ class GGUFModulesTarget(ResidentTarget):
         self.kind = "gguf"
         self.fallback_reason = None
         self.formats = Counter(t.kind for t in tensors.values() if len(t.shape) >= 2)      # experts are 3-D
+        self.converted = converted_kinds(read(gguf)[1])
         self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
 
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import checkpoint as _checkpoint
 from ..errors import BadWeights, UnsupportedModel
-from ..gguf_file import GGUFWeight, dense, hf_rows
+from ..gguf_file import GGUFWeight, converted, converted_kinds, dense, hf_rows, runnable
 from ..gguf_reader import read
 from ..kernels import gguf_kernel
 from ..models import llama_family
@@ -48,7 +48,7 @@ def gguf_why_not(gguf: Path) -> str:
     if arch not in ARCHITECTURES and arch not in gguf_modules.ARCHITECTURES:
         return f"the {arch} architecture does not run from its blocks yet"
     odd = sorted({t.kind for t in tensors.values() if len(t.shape) >= 2 and t.kind != "F32"
-                  and t.kind not in gguf_kernel.TYPES})
+                  and t.kind not in gguf_kernel.TYPES and not converted(t.kind)})
     if odd:
         return f"no kernel for its {', '.join(odd)} blocks yet"
     return ""
@@ -57,9 +57,8 @@ def gguf_why_not(gguf: Path) -> str:
 class GGUFTarget(ResidentTarget):
     """ResidentTarget's interface over a QuantizedForward whose matrices are GGUFWeight."""
 
-    def __init__(self, gguf: Path, config_dir: Path, cache_capacity: int = 1024):
-        fields, tensors = read(gguf)
-        arch = architecture(fields)
+    def __init__(self, gguf: Path, config_dir: Path, tensors: dict, cache_capacity: int = 1024):
+        arch = architecture(read(gguf)[0])
         cfg, skeleton, _ = _skeleton(Path(config_dir))
         device = torch.device("cpu")
         self._setup(cfg, device, torch.float32, cache_capacity)
@@ -98,6 +97,12 @@ class GGUFTarget(ResidentTarget):
                 o=matrix(b + "attn_output.weight"), o_bias=vector(b + "attn_output.bias"),
                 gate_up=matrix(b + "ffn_gate.weight", b + "ffn_up.weight"), down=matrix(b + "ffn_down.weight"),
                 q_norm=vector(b + "attn_q_norm.weight"), k_norm=vector(b + "attn_k_norm.weight")))
+        D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+        rows = layers[0].qkv.shape[0] if isinstance(layers[0].qkv, GGUFWeight) else layers[0].qkv.shape[1]
+        if rows != (H + 2 * KV) * D:
+            raise BadWeights(f"{gguf}: its q, k and v projections hold {rows} rows where its metadata says "
+                             f"{H} + 2 x {KV} heads of {D} ({(H + 2 * KV) * D}); the file is mis-converted: "
+                             "fetch it again, or another conversion of the model")
         embed = matrix("token_embd.weight")
         head = matrix("output.weight") if "output.weight" in tensors else embed      # tied
         if isinstance(embed, torch.Tensor):
@@ -109,6 +114,7 @@ class GGUFTarget(ResidentTarget):
         self.kind = "gguf"
         self.fallback_reason = None
         self.formats = Counter(t.kind for t in tensors.values() if len(t.shape) == 2)
+        self.converted = converted_kinds(read(gguf)[1])
         self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
 
 
@@ -144,8 +150,10 @@ def load_gguf(gguf: Path, config_dir: Path, cache_capacity: int = 1024) -> Resid
     if why:
         raise UnsupportedModel(f"{gguf}: {why}")
     fields, tensors = read(gguf)
+    # blocks no kernel reads, converted (gguf_file.runnable): a fresh dict, the reader's is cached
+    tensors = {name: runnable(t) for name, t in tensors.items()}
     check_finite(gguf, tensors)
     if architecture(fields) in gguf_modules.ARCHITECTURES:
-        return gguf_modules.GGUFModulesTarget(gguf, Path(config_dir), cache_capacity)
-    return GGUFTarget(gguf, Path(config_dir), cache_capacity)
+        return gguf_modules.GGUFModulesTarget(gguf, Path(config_dir), tensors, cache_capacity)
+    return GGUFTarget(gguf, Path(config_dir), tensors, cache_capacity)
 
