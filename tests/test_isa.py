@@ -69,13 +69,15 @@ def test_doctor_and_describe_name_the_build_that_runs(tiny_llama):
                             env=env, capture_output=True, text=True, timeout=300)
     assert doctor.returncode == 0, doctor.stderr
     assert "Row kernels (bfloat16 AVX2, float32 AVX2)" in doctor.stdout, doctor.stdout
+    assert "float32: steps and verify passes: localchat's row kernel (rows.c)" in doctor.stdout, doctor.stdout
     # the AVX2 build has no bf16 instructions: a prefill's bf16 products widen to float32
-    assert "bfloat16 widened to float32, then the float32 one" in doctor.stdout, doctor.stdout
-    code = ("import engine, sys; e = engine.open(sys.argv[1], dtype='float32', drafter='none'); "
+    code = ("import engine, sys, torch; from engine.kernels import dispatch; "
+            "e = engine.open(sys.argv[1], dtype='float32', drafter='none'); "
+            "print(dispatch.route('bfloat16', dispatch.Pass.PREFILL, torch.device('cpu'), torch.bfloat16).pick(44)); "
             "print(e.describe()['kernels'])")
     desc = subprocess.run([sys.executable, "-c", code, str(tiny_llama)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
-    assert desc.returncode == 0 and desc.stdout.strip().splitlines()[-1] == "the avx2 build", desc.stderr
+    assert desc.returncode == 0 and desc.stdout.strip().splitlines()[-2:] == ["widened", "the avx2 build"], desc.stderr
 
 
 def test_a_bf16_checkpoint_computes_in_bf16_wherever_the_bf16_kernels_run(monkeypatch):
