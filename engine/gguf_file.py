@@ -53,10 +53,8 @@ def converted_kinds(tensors: dict[str, Tensor]) -> Counter:
 def held_bytes(t: Tensor) -> int:
     """The bytes a tensor takes once loaded: as stored, or as CONVERT_TO where it is converted."""
     if converted(t.kind):
-        n = 1
-        for d in t.shape:
-            n *= d
-        return n // 32 * 34
+        rows = t.data.numel() // t.data.shape[-1]
+        return rows * gguf_kernel.row_bytes(CONVERT_TO, t.shape[-1])
     return t.data.numel() * t.data.element_size()
 
 
@@ -68,7 +66,7 @@ def runnable(t: Tensor) -> Tensor:
     qtype = GGMLQuantizationType[t.kind]
     K = t.shape[-1]
     raw = t.data.reshape(-1, t.data.shape[-1])
-    out = torch.empty(raw.shape[0], K // 32 * 34, dtype=torch.uint8)
+    out = torch.empty(raw.shape[0], gguf_kernel.row_bytes(CONVERT_TO, K), dtype=torch.uint8)
     step = max(1, _CHUNK // K)
     for a in range(0, raw.shape[0], step):
         values = torch.from_numpy(quants.dequantize(raw[a:a + step].numpy(), qtype)).float()

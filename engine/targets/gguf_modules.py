@@ -32,8 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModel
-from ..gguf_file import GGUFWeight, converted_kinds, dense
-from ..gguf_reader import read
+from ..gguf_file import GGUFWeight, dense
 from ..kernels import gguf_kernel
 from ..models import hf_forward
 from . import module_quant
@@ -133,7 +132,6 @@ class GGUFModulesTarget(ResidentTarget):
         self.kind = "gguf"
         self.fallback_reason = None
         self.formats = Counter(t.kind for t in tensors.values() if len(t.shape) >= 2)      # experts are 3-D
-        self.converted = converted_kinds(read(gguf)[1])
         self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
 
 

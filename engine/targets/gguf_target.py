@@ -114,7 +114,6 @@ class GGUFTarget(ResidentTarget):
         self.kind = "gguf"
         self.fallback_reason = None
         self.formats = Counter(t.kind for t in tensors.values() if len(t.shape) == 2)
-        self.converted = converted_kinds(read(gguf)[1])
         self._weight_bytes = sum(t.numel() * t.element_size() for t in self.impl.weight_tensors())
 
 
@@ -149,11 +148,14 @@ def load_gguf(gguf: Path, config_dir: Path, cache_capacity: int = 1024) -> Resid
     why = gguf_why_not(gguf)
     if why:
         raise UnsupportedModel(f"{gguf}: {why}")
-    fields, tensors = read(gguf)
+    fields, stored = read(gguf)
     # blocks no kernel reads, converted (gguf_file.runnable): a fresh dict, the reader's is cached
-    tensors = {name: runnable(t) for name, t in tensors.items()}
+    tensors = {name: runnable(t) for name, t in stored.items()}
     check_finite(gguf, tensors)
     if architecture(fields) in gguf_modules.ARCHITECTURES:
-        return gguf_modules.GGUFModulesTarget(gguf, Path(config_dir), tensors, cache_capacity)
-    return GGUFTarget(gguf, Path(config_dir), tensors, cache_capacity)
+        target = gguf_modules.GGUFModulesTarget(gguf, Path(config_dir), tensors, cache_capacity)
+    else:
+        target = GGUFTarget(gguf, Path(config_dir), tensors, cache_capacity)
+    target.converted = converted_kinds(stored)          # what the file held that runs as Q8_0
+    return target
 
