@@ -272,9 +272,10 @@ typedef void (*decode_fn)(const uint8_t *, float *);
 
 /* A few rows of x, each rounded to 16-bit integers per 32 values: value j of chunk c is
  * s[c] * q[j], s[c] = (largest |x| of the chunk) / GG_XR, q[j] = x[j] / s[c] rounded to
- * the nearest (even) integer; a chunk's 32 codes are stored in the order AVX2's byte
- * unpacking widens 32 weight codes to 16 bits (0..7, 16..23, 8..15, 24..31), so a weight
- * chunk meets its activations without a shuffle. xs[g]: s[c] times the sum of the codes of
+ * the nearest (even) integer; a chunk's 32 codes are stored in the order the build widens 32
+ * weight codes to 16 bits, so a weight chunk meets its activations without a shuffle: in
+ * order on AVX-512 (one widening of 32), in the order of AVX2's byte unpacking otherwise
+ * (0..7, 16..23, 8..15, 24..31). xs[g]: s[c] times the sum of the codes of
  * group g (16 or 32 values), for the formats whose groups have offsets. A non-finite value
  * makes its chunk's scale NaN, so NaN reaches the outputs it touches, as float32 would. */
 #define GG_XR 32767
@@ -325,11 +326,17 @@ static void gg_quantize_row(const float *x, int K, int G, int16_t *q, float *s, 
         const __m256 iv = _mm256_set1_ps(inv);
         const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, iv)),
                       i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, iv));
+#if LC_AVX512
+        /* packs interleaves 64-bit quarters: [i0 lo, i1 lo, i0 hi, i1 hi], put back in order */
+        _mm256_storeu_si256((__m256i *)(q + 32 * c), _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xd8));
+        _mm256_storeu_si256((__m256i *)(q + 32 * c + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xd8));
+#else
         /* packs interleaves 128-bit halves: [i0 lo, i2 lo] with [i0 hi, i2 hi] gives 0..7, 16..23 */
         _mm256_storeu_si256((__m256i *)(q + 32 * c), _mm256_packs_epi32(_mm256_permute2x128_si256(i0, i2, 0x20),
                                                                         _mm256_permute2x128_si256(i0, i2, 0x31)));
         _mm256_storeu_si256((__m256i *)(q + 32 * c + 16), _mm256_packs_epi32(_mm256_permute2x128_si256(i1, i3, 0x20),
                                                                              _mm256_permute2x128_si256(i1, i3, 0x31)));
+#endif
         s[c] = bad ? NAN : mx / (float)GG_XR;
         if (G == 32) xs[c] = s[c] * (float)hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
         if (G == 16) {
@@ -338,6 +345,82 @@ static void gg_quantize_row(const float *x, int K, int G, int16_t *q, float *s, 
         }
     }
 }
+
+/* gg_dot_<format>: y[m0 + m, n] for m < mb, weight row n (K weights at wr) against x rows
+ * m0... A block is unpacked once to its int8 codes and per-group scales and offsets, shared
+ * by the rows. Per chunk of 32 weights, the codes are widened to 16 bits and multiplied with
+ * the activations' codes in integers (pmaddwd: 32 products into pair sums, exact; AVX2 adds
+ * its two halves' into 8 sums, AVX-512 keeps 16), the sums converted to float and scaled by
+ * the group's scale times the chunk's activation scale. Even and odd chunks accumulate apart
+ * (two chains, so the next chunk need not wait for the last one's sum), added at the end. A
+ * group's offset m[g] meets xs[g]: eight or sixteen groups a fused vector product-sum into
+ * the odd chain, else one fused scalar product-sum apart.
+ * So a product is the file's weights times x rounded to 16 bits, summed in float32. One body
+ * per row count (MROWS, a constant), so the accumulators stay in registers; one fixed
+ * sequence per output, whatever mb or the thread. */
+#if LC_AVX512
+typedef __m512 gacc;
+static inline gacc gacc_zero(void) { return _mm512_setzero_ps(); }
+static inline float gacc_sum(gacc a, gacc b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+
+/* 16 floats the unpacking stored as two halves of 8, read back as two halves: one load of all
+ * 16 would wait for both stores to reach the cache (no store forwarding across them) */
+static inline __m512 load16(const float *p) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)p)),
+                                               _mm256_loadu_pd((const double *)(p + 8)), 1));
+}
+
+/* GG_BLOCK(...): one block's chunks into acc and off, for MROWS rows of x. AVX-512: a chunk
+ * is one register of 32 16-bit codes in order; its 16 pair sums take the chunk's scale
+ * (groups of 32), or the first group's in lanes 0..7 and the second's in 8..15 (groups of 16,
+ * the scales of a block's 16 groups held in one register and spread by a permute). */
+#define GG_BLOCK(NAME, BS, G, OFFSETS)                                                                            \
+    enum { NG = (BS) / (G), NC = (BS) / 32, VEC_OFF = (OFFSETS) && NG % 8 == 0 };                                \
+    int8_t q[BS] __attribute__((aligned(64)));                                                                   \
+    float d[NG] __attribute__((aligned(64))), off_g[NG] __attribute__((aligned(64)));                            \
+    float sc[GG_MB][NG] __attribute__((aligned(64)));                                                            \
+    __m512 sv[GG_MB];                                                                                            \
+    const int8_t *cq = unpack_##NAME(wr, q, d, off_g);                                                           \
+    for (int m = 0; m < MROWS; m++) {                                                                            \
+        const float *s = x->s + (int64_t)(m0 + m) * x->lds + k0 / 32;                                            \
+        if (NG == 16) /* group g takes chunk g / 2's scale */                                                    \
+            sv[m] = _mm512_mul_ps(load16(d), _mm512_permutexvar_ps(                                              \
+                _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),                               \
+                _mm512_castps256_ps512(_mm256_loadu_ps(s))));                                                    \
+        else if (NG == 8)                                                                                        \
+            _mm256_storeu_ps(sc[m], _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_loadu_ps(s)));                      \
+        else                                                                                                     \
+            for (int g = 0; g < NG; g++) sc[m][g] = d[g] * s[g * (G) / 32];                                      \
+    }                                                                                                            \
+    _Pragma("GCC unroll 8")                                                                                      \
+    for (int c = 0; c < NC; c++) {                                                                               \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(cq + 32 * c));                                    \
+        const __m512i w = (OFFSETS) ? _mm512_cvtepu8_epi16(v) : _mm512_cvtepi8_epi16(v);                         \
+        for (int m = 0; m < MROWS; m++) {                                                                        \
+            const int16_t *xq = x->q + (int64_t)(m0 + m) * x->ldq + k0 + 32 * c;                                 \
+            const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(xq));                                      \
+            const __m512 scale = NG == 16 ? _mm512_permutexvar_ps(                                               \
+                _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1,   \
+                                  2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1), sv[m])      \
+                : _mm512_set1_ps(sc[m][(G) == 32 ? c : 0]);                                                      \
+            __m512 *a = &acc[m][(odd + c) & 1];                                                                  \
+            *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, *a);                                              \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int m = 0; m < MROWS; m++) {                                                                            \
+        const float *xs = x->xs + (int64_t)(m0 + m) * x->ldxs + k0 / (G);                                        \
+        if (VEC_OFF && NG == 16)                                                                                 \
+            acc[m][1] = _mm512_fmadd_ps(load16(off_g), _mm512_loadu_ps(xs), acc[m][1]);                          \
+        else if (VEC_OFF)                                                                                        \
+            acc[m][1] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_loadu_ps(off_g)),                          \
+                                        _mm512_zextps256_ps512(_mm256_loadu_ps(xs)), acc[m][1]);                 \
+        else if (OFFSETS)                                                                                        \
+            for (int g = 0; g < NG; g++) off[m] = fmaf(off_g[g], xs[g], off[m]);                                 \
+    }
+#else
+typedef __m256 gacc;
+static inline gacc gacc_zero(void) { return _mm256_setzero_ps(); }
+static inline float gacc_sum(gacc a, gacc b) { return sum8(_mm256_add_ps(a, b)); }
 
 /* a chunk's 8 scales (group scale times the chunk's activation scale) for chunk c of a block:
  * groups of 32 one scale, groups of 16 the low four lanes the first group's, the high four
@@ -348,22 +431,8 @@ static inline __m256 chunk_scales(const float *sc, int c, int G) {
     return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
-/* gg_dot_<format>: y[m0 + m, n] for m < mb, weight row n (K weights at wr) against x rows
- * m0... A block is unpacked once to its int8 codes and per-group scales and offsets, shared
- * by the rows. Per chunk of 32 weights, the codes are widened to 16 bits and multiplied with
- * the activations' codes in integers (AVX2's pmaddwd: 32 products into 8 sums, exact), the
- * sums converted to float and scaled by the group's scale times the chunk's activation scale.
- * Even and odd chunks accumulate apart (two chains, so the next chunk need not wait for the
- * last one's sum), added at the end. A group's offset m[g] meets xs[g]: eight groups a fused
- * vector product-sum into the odd chain where a block has eight or sixteen, else one fused
- * scalar product-sum apart.
- * So a product is the file's weights times x rounded to 16 bits, summed in float32. One body
- * per row count (MROWS, a constant), so the accumulators stay in registers; one fixed
- * sequence per output, whatever mb or the thread. */
-#define GG_DOT(NAME, TYPE, BS, BYTES, G, OFFSETS)                                                                    \
-static inline __attribute__((always_inline)) void gg_block_##NAME(                                               \
-        const uint8_t *wr, int k0, const GGX *x, int m0, const int MROWS, const int odd, __m256 (*acc)[2],       \
-        float *off) {                                                                                            \
+/* GG_BLOCK(...), AVX2: a chunk's codes unpacked to two registers of 16 16-bit codes */
+#define GG_BLOCK(NAME, BS, G, OFFSETS)                                                                            \
     enum { NG = (BS) / (G), NC = (BS) / 32, VEC_OFF = (OFFSETS) && NG % 8 == 0 };                                \
     int8_t q[BS] __attribute__((aligned(64)));                                                                   \
     float d[NG], off_g[NG], sc[GG_MB][NG];                                                                       \
@@ -396,15 +465,22 @@ static inline __attribute__((always_inline)) void gg_block_##NAME(              
                 acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(off_g + g), _mm256_loadu_ps(xs + g), acc[m][1]);     \
         else if (OFFSETS)                                                                                        \
             for (int g = 0; g < NG; g++) off[m] = fmaf(off_g[g], xs[g], off[m]);                                 \
-    }                                                                                                            \
+    }
+#endif
+
+#define GG_DOT(NAME, TYPE, BS, BYTES, G, OFFSETS)                                                                    \
+static inline __attribute__((always_inline)) void gg_block_##NAME(                                               \
+        const uint8_t *wr, int k0, const GGX *x, int m0, const int MROWS, const int odd, gacc (*acc)[2],         \
+        float *off) {                                                                                            \
+    GG_BLOCK(NAME, BS, G, OFFSETS)                                                                               \
 }                                                                                                                \
 static inline __attribute__((always_inline)) void gg_rows_##NAME(                                                \
         const uint8_t *wr, int K, const GGX *x, int m0, const int MROWS, float *y, int64_t ldy, int n) {         \
     enum { NC = (BS) / 32 };                                                                                     \
-    __m256 acc[GG_MB][2];                                                                                        \
+    gacc acc[GG_MB][2];                                                                                          \
     float off[GG_MB];                                                                                            \
     for (int m = 0; m < MROWS; m++) {                                                                            \
-        acc[m][0] = acc[m][1] = _mm256_setzero_ps();                                                             \
+        acc[m][0] = acc[m][1] = gacc_zero();                                                                     \
         off[m] = 0.f;                                                                                            \
     }                                                                                                            \
     int k0 = 0;                                                                                                  \
@@ -414,7 +490,7 @@ static inline __attribute__((always_inline)) void gg_rows_##NAME(               
     }                                                                                                            \
     if (k0 < K) gg_block_##NAME(wr, k0, x, m0, MROWS, 0, acc, off);                                              \
     for (int m = 0; m < MROWS; m++)                                                                              \
-        y[(int64_t)(m0 + m) * ldy + n] = sum8(_mm256_add_ps(acc[m][0], acc[m][1])) + off[m];                    \
+        y[(int64_t)(m0 + m) * ldy + n] = gacc_sum(acc[m][0], acc[m][1]) + off[m];                                \
 }                                                                                                                \
 static void gg_dot_##NAME(const uint8_t *wr, int K, const GGX *x, int m0, int mb, float *y, int64_t ldy, int n) { \
     switch (mb) {                                                                                                \
