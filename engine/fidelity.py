@@ -120,6 +120,58 @@ def check_file(target, texts: list[list[int]], chunk: int = 256) -> FileCheck:
     return FileCheck(n, len(tops), math.exp(nll / max(1, n)), vocab)
 
 
+@dataclass(frozen=True)
+class Against:
+    """A converted file's predictions against the checkpoint it was made from."""
+    reference: str              # the checkpoint's folder
+    how: str                    # how it was found (named, or from the file's metadata)
+    fidelity: Fidelity
+
+    def problem(self) -> str:
+        """'' when the file answers as its checkpoint does within what quantization moves
+        (a 2-3 bit file stays far above these bounds), else what is wrong."""
+        f = self.fidelity
+        if f.top1_agreement < 0.5 or f.mean_kl > 1.0:
+            return (f"it disagrees with {self.reference} ({self.how}): top-1 agreement {f.top1_agreement:.1%}, mean "
+                    f"KL {f.mean_kl:.2f} nats on the held texts; a mis-mapped conversion, or not the same model "
+                    "(a fine-tune differs from its base model)")
+        return ""
+
+    def as_dict(self) -> dict:
+        return {"reference": self.reference, "how": self.how, **self.fidelity.as_dict(), "problem": self.problem()}
+
+
+def against_checkpoint(target, tokenizer, texts: list[list[int]], path, how: str) -> Against:
+    """`target` (a converted file, its held texts `texts` in its own tokens) teacher-forced
+    beside the safetensors checkpoint at `path`, run in its own dtype. The checkpoint must
+    read the texts as the same tokens and predict over the same vocabulary."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from . import kernels
+    from .errors import CheckpointError
+    from .targets.resident import checkpoint_dtype, load_resident
+    path = Path(path)
+    try:
+        theirs = held_texts(AutoTokenizer.from_pretrained(path, trust_remote_code=False), len(texts[0]))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot load the reference's tokenizer ({exc})") from None
+    if [t[:len(m)] for t, m in zip(theirs, texts)] != texts:
+        raise CheckpointError(f"{path}: its tokenizer reads the held texts as other tokens than the file's does: "
+                              "not the same model; give the checkpoint the file was made from")
+    cpu = torch.device("cpu")           # where a file's blocks run
+    reference = load_resident(path, cpu, kernels.default_dtype(cpu, checkpoint_dtype(path)))
+    probe = [texts[0][:2]]
+    with contextlib.closing(_pieces([reference, target], probe, 2)) as pieces:
+        for piece, _ in pieces:
+            a, b = reference.forward(piece, all_logits=True), target.forward(piece, all_logits=True)
+            if a.shape[-1] != b.shape[-1]:
+                raise CheckpointError(f"{path}: it predicts over {a.shape[-1]:,} tokens and the file over "
+                                      f"{b.shape[-1]:,}: not the same model")
+    return Against(str(path), how, measure(reference, target, texts))
+
+
 def _pieces(targets: list, texts: list[list[int]], chunk: int):
     """Each text from empty caches, `chunk` tokens a pass: (the pass's tokens, the token that
     follows each); the caches are left empty, also when the caller stops early."""

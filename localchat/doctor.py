@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fidelity", action="store_true",
                    help="measure how close int8 and int4 stay to the exact model on a held text; for a .gguf, "
                         "check that its own logits there are finite and not degenerate (loads the model)")
+    p.add_argument("--reference", metavar="PATH_OR_REPO",
+                   help="with --fidelity on a .gguf: the safetensors checkpoint the file was made from, to compare "
+                        "its answers with (default: the repo its metadata names, where that is downloaded)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     return p
 
@@ -118,13 +121,17 @@ def doctor_main(argv: list[str]) -> int:
             error(f"--fidelity loads the model, and {settings.model} is not downloaded; "
                   f"run `localchat setup --model {settings.model}` first")
             return EXIT_USAGE
-        checked = None
+        checked = against = None
+        if args.reference and not (args.fidelity and ckpt is not None and ckpt.gguf is not None):
+            error("--reference goes with --fidelity on a .gguf model (-m FILE.gguf or -m owner/repo:QUANT)")
+            return EXIT_USAGE
         if args.fidelity and ckpt.gguf is not None:
             why = _gguf_why(ckpt)
             if why:
                 error(f"--fidelity reads a GGUF from its blocks (resident-gguf), which does not run here: {why}")
                 return EXIT_USAGE
-            fid, checked = {}, _check_gguf(ckpt)
+            reference = _reference(args.reference, ckpt.gguf)
+            fid, (checked, against) = {}, _check_gguf(ckpt, reference)
         elif args.fidelity:
             fid = fidelity.measure_formats(ckpt.path, hardware.pick_device(hw.device))
         else:
@@ -141,9 +148,10 @@ def doctor_main(argv: list[str]) -> int:
                "plan": plan.as_dict(), "products": _products(plan, profs, shape, hw, ckpt).as_dict()["products"],
                "fidelity": {k: v.as_dict() for k, v in fid.items()},
                "file_check": checked.as_dict() if checked else None,
+               "against_checkpoint": against.as_dict() if against else None,
                "retired_compiled_steps": {"path": str(leftover[0]), "bytes": leftover[1]} if leftover else None}
         print(json.dumps(out, indent=2))
-        return EXIT_FAIL if checked and checked.problem() else EXIT_OK
+        return EXIT_FAIL if checked and checked.problem() or against and against.problem() else EXIT_OK
     print(_hw_text(hw))
     if hw.device == "cpu":
         print(_kernel_text())
@@ -180,6 +188,18 @@ def doctor_main(argv: list[str]) -> int:
         print(f"File check on the held texts ({checked.tokens} positions, read from its blocks): logits finite, "
               f"{checked.distinct_top1} different greedy tokens, perplexity {checked.ppl:.2f}: nothing looks "
               "mis-mapped.")
+        if against is not None:
+            f = against.fidelity
+            line = (f"Against {against.reference} ({against.how}): top-1 agreement {f.top1_agreement:.2%}, "
+                    f"mean KL {f.mean_kl:.2e} nats, perplexity {f.ppl_reference:.2f} (checkpoint) and "
+                    f"{f.ppl_candidate:.2f} (file) over {f.tokens} positions")
+            if against.problem():
+                error(f"{ckpt.gguf}: {against.problem()}")
+                return EXIT_FAIL
+            print(line + ": the file answers as its checkpoint does, within its quantization.")
+        else:
+            print("Against its checkpoint: none named (`--reference DIR_OR_REPO` compares the file's answers with "
+                  "the safetensors checkpoint it was made from).")
     elif ckpt is not None and ckpt.gguf is not None:
         print("File check: `localchat doctor --fidelity` reads the held texts from the file's blocks and says "
               "whether its logits look damaged or mis-mapped (loads the model).")
@@ -346,12 +366,64 @@ def _gguf_why(ckpt) -> str:
     return gguf_why_not(ckpt.gguf)
 
 
-def _check_gguf(ckpt):
-    """The file's own logits on the held texts, read from its blocks (engine/fidelity.py)."""
+def _check_gguf(ckpt, reference: tuple[Path, str] | None):
+    """(the file's own logits on the held texts, read from its blocks; and, given a
+    reference checkpoint (path, how it was found), the file's predictions against it, or
+    None): engine/fidelity.py."""
     import engine
     from engine import fidelity
     eng = engine.open(str(ckpt.gguf), profile="resident-gguf", drafter="none")
-    return fidelity.check_file(eng.target, fidelity.held_texts(eng.tokenizer, 256))
+    texts = fidelity.held_texts(eng.tokenizer, 256)
+    checked = fidelity.check_file(eng.target, texts)
+    if reference is None or checked.problem():
+        return checked, None
+    return checked, fidelity.against_checkpoint(eng.target, eng.tokenizer, texts, *reference)
+
+
+def _reference(named: str | None, gguf: Path) -> tuple[Path, str] | None:
+    """The safetensors checkpoint a GGUF is compared with, and how it was found: the one
+    named with --reference, else the first repo the file's metadata names (its source, then
+    its base models) that is downloaded; None when there is none. Never downloads."""
+    from engine import checkpoint
+    from engine.errors import EngineError
+    from engine.gguf_reader import read
+    from . import hub
+    if named:
+        if hub.is_repo_id(named):
+            path = hub.cached(named)
+            if path is None:
+                raise EngineError(f"--reference {named}: not downloaded; `localchat models pull {named}` fetches it "
+                                  "(doctor never downloads)")
+            return path, "named with --reference"
+        if not Path(named).expanduser().exists():
+            raise EngineError(f"--reference {named}: no such file or directory, nor a downloaded repo id")
+        ckpt = checkpoint.resolve(named)
+        if ckpt.source != "dir":
+            raise EngineError(f"--reference {named}: give the safetensors checkpoint (a directory with config.json "
+                              "and *.safetensors) the file was made from, not another GGUF")
+        return ckpt.path, "named with --reference"
+    meta, _ = read(gguf)
+    for key, repo in _named_repos(meta):
+        path = hub.cached(repo)
+        if path is not None:
+            return path, f"the repo its metadata names ({key})"
+    return None
+
+
+def _named_repos(meta: dict) -> list[tuple[str, str]]:
+    """(key, "owner/name") of each Hugging Face repo a GGUF's metadata names: where it was
+    converted from, then its base models."""
+    keys = ["general.source.repo_url", "general.source.url", "general.repo_url"]
+    keys += [f"general.base_model.{i}.{f}" for i in range(int(meta.get("general.base_model.count") or 0))
+             for f in ("repo_url", "url")]
+    out = []
+    for key in keys:
+        value = meta.get(key)
+        if isinstance(value, str) and value.startswith("https://huggingface.co/"):
+            repo = "/".join(value.removeprefix("https://huggingface.co/").split("/")[:2])
+            if repo.count("/") == 1 and repo not in [r for _, r in out]:
+                out.append((key, repo))
+    return out
 
 
 def _gguf_text(gguf) -> str:

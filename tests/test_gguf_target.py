@@ -168,3 +168,71 @@ def test_doctor_fidelity_checks_a_gguf_and_names_a_degenerate_one(tmp_path):
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "zeroed.gguf" in lines[0] and "degenerate" in lines[0], bad.stderr
+
+
+def test_doctor_fidelity_compares_a_gguf_with_its_checkpoint_and_names_a_mis_mapped_one(tmp_path):
+    # the demo's file against its weights as a safetensors checkpoint answers as they do; the
+    # same file with the last ten layers' q and out projections swapped (a mis-mapped
+    # conversion whose logits are finite, varied and short of a uniform guess, so the file
+    # check alone passes it) is named in one line
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import gguf
+    demo = checkpoint.demo_gguf_path()
+    reference = checkpoint.resolve(None).path            # the demo's weights as safetensors
+    cmd = [sys.executable, "-m", "localchat.cli", "doctor", "--fidelity", "--json", "--reference", str(reference),
+           "--model"]
+    good = subprocess.run(cmd + [str(demo)], capture_output=True, text=True, timeout=600)
+    assert good.returncode == 0, good.stderr
+    against = json.loads(good.stdout)["against_checkpoint"]
+    assert against["reference"] == str(reference) and against["how"] == "named with --reference"
+    assert against["top1_agreement"] >= 0.98 and against["mean_kl"] < 1e-3 and not against["problem"]
+
+    swapped = shutil.copy(demo, tmp_path / "swapped.gguf")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(swapped)).tensors}
+    with open(swapped, "r+b") as fh:
+        for i in range(20, 30):
+            q, o = tensors[f"blk.{i}.attn_q.weight"], tensors[f"blk.{i}.attn_output.weight"]
+            assert q.n_bytes == o.n_bytes and q.tensor_type == o.tensor_type
+            fh.seek(q.data_offset)
+            qb = fh.read(int(q.n_bytes))
+            fh.seek(o.data_offset)
+            ob = fh.read(int(o.n_bytes))
+            fh.seek(q.data_offset)
+            fh.write(ob)
+            fh.seek(o.data_offset)
+            fh.write(qb)
+    plain = [c for c in cmd if c != "--json"]
+    bad = subprocess.run(plain + [str(swapped)], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert "File check on the held texts" in bad.stdout          # finite, not degenerate: only the comparison sees it
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "swapped.gguf" in lines[0] and "mis-mapped conversion" in lines[0], bad.stderr
+
+
+def test_doctor_reference_is_a_safetensors_checkpoint_and_goes_with_fidelity_on_a_gguf(tmp_path):
+    import subprocess
+    import sys
+    demo = checkpoint.demo_gguf_path()
+    cmd = [sys.executable, "-m", "localchat.cli", "doctor"]
+    for args, says in ((["--model", str(demo), "--reference", str(demo), "--fidelity"], "not another GGUF"),
+                       (["--model", str(demo), "--reference", str(tmp_path / "none")], "goes with --fidelity"),
+                       (["--model", str(demo), "--fidelity", "--reference", str(tmp_path / "none")],
+                        "no such file or directory")):
+        r = subprocess.run(cmd + args, capture_output=True, text=True, timeout=600)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr
+
+
+def test_the_repos_a_gguf_names_are_read_from_its_metadata():
+    from localchat.doctor import _named_repos
+    meta = {"general.source.url": "https://huggingface.co/Qwen/Qwen3.5-2B", "general.base_model.count": 2,
+            "general.base_model.0.repo_url": "https://huggingface.co/Qwen/Qwen3.5-2B",
+            "general.base_model.1.url": "https://huggingface.co/Qwen/Qwen3.5-2B-Base/tree/main",
+            "general.repo_url": "https://github.com/someone/something"}
+    assert _named_repos(meta) == [("general.source.url", "Qwen/Qwen3.5-2B"),
+                                  ("general.base_model.1.url", "Qwen/Qwen3.5-2B-Base")]
+    assert _named_repos({"general.name": "x"}) == []
