@@ -8,7 +8,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from engine.kernels import gguf_kernel
+from engine import hardware
+from engine.kernels import gguf_kernel, row_kernel
 
 pytestmark = pytest.mark.skipif(not gguf_kernel.available(), reason=f"no GGUF kernel here: {gguf_kernel.why_not()}")
 FORMATS = list(gguf_kernel.TYPES)
@@ -44,13 +45,15 @@ def test_products_are_the_weights_times_x_and_every_row_a_lone_row(name, threads
         ref = _file_weights(w, name, K).double()
         x = torch.randn(65, K, generator=g) * torch.rand(65, K // 32, 1, generator=g).expand(65, K // 32, 32).reshape(65, K)
         x[3, 64:96] = 0                                                   # an all-zero chunk
+        x[4, 256:512] = 0                                                 # an all-zero block of 256
         lone = torch.cat([gguf_kernel.linear(x[m:m + 1], w, name, K) for m in range(65)])
-        xr = gguf_kernel.rounded_activations(x)
+        xr = gguf_kernel.rounded_activations(x, name)
         want = xr @ ref.t()
         bound = 2 * K * 2.0 ** -24 * (xr.abs() @ ref.abs().t())          # float32 sums of K products
         assert ((lone.double() - want).abs() <= bound).all()
-        # x rounded to 16 bits is within about half a step, 1/65534 of its chunk's largest value
-        largest = x.abs().view(65, -1, 32).amax(-1, keepdim=True).expand(65, K // 32, 32).reshape(65, K)
+        # x rounded to 16 bits is within about half a step, 1/65534 of its block's largest value
+        bs = gguf_kernel.block(name)[0]
+        largest = x.abs().view(65, -1, bs).amax(-1, keepdim=True).expand(65, K // bs, bs).reshape(65, K)
         assert ((xr - x.double()).abs() <= largest.double() / 65534 * 1.01).all()
         for M in (2, 3, 5, 9, 17, 33, 65):                             # verify widths: each row a lone row
             assert torch.equal(gguf_kernel.linear(x[:M], w, name, K), lone[:M]), M
@@ -92,3 +95,28 @@ def test_a_row_of_part_of_a_block_is_refused():
         gguf_kernel.linear(torch.randn(1, 200), w[:, :100], "Q4_K", 200)
     with pytest.raises(ValueError, match="do not fit"):
         gguf_kernel.linear(torch.randn(1, 512), w, "Q4_K", 512)
+
+
+@pytest.mark.skipif("avx512_vnni" not in hardware.cpu_flags() or row_kernel.choose(torch.float32)[0] != "avx512",
+                    reason="no AVX-512 VNNI here")
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "IQ4_XS", "Q2_K"])
+def test_a_build_with_or_without_vnni_gives_the_same_bits(name):
+    # VNNI fuses the 16-bit multiply-add and the 32-bit sum; the sums are exact integers either way
+    import ctypes
+
+    from engine.kernels import build
+    g = torch.Generator().manual_seed(7)
+    N, K = 19, 2 * 256
+    w = gguf_kernel.random_blocks(name, N, K, g)
+    x = torch.randn(5, K, generator=g)
+    flags = row_kernel.choose(torch.float32)[1] + ["-ffp-contract=off"]
+    outs = []
+    for f in (flags, [f for f in flags if f != "-mavx512vnni"]):
+        fn = build.library(gguf_kernel.SOURCE, f).gguf_linear_f32
+        fn.restype = ctypes.c_int
+        P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [I, P, I64, P, I64, P, I64, I, I, I, I]
+        y = torch.empty(5, N)
+        assert fn(gguf_kernel.TYPES[name], x.data_ptr(), K, w.data_ptr(), w.stride(0), y.data_ptr(), N, 5, N, K, 2) == 0
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])

@@ -9,14 +9,16 @@
  *
  * gguf_linear_f32: y[m, n] = sum_k x[m, k] w[n, k] for a few float32 rows of x (one-token
  * steps, verify passes, short prefills). Each row of x is first rounded to 16-bit integers
- * per 32 values with a float scale (gg_quantize_row: within 1/65534 of the chunk's largest
- * value, where llama.cpp rounds activations to 8 bits, 1/254); a block is unpacked once to
- * its integer codes and per-group scales (unpack_*), shared by all the rows of x; codes and
- * activations are multiplied in integers, exactly, 32 at a time, and each chunk's integer
- * sum scaled once in float (the weights are the file's, the rounding the activations' and
- * float32's). A thread takes a range of weight rows, and every output is one fixed sequence
- * of instructions owned by one thread, whatever the number of rows or threads: a verify
- * pass's rows are one-token steps bit for bit.
+ * with a float scale per block of the weight's format, 32 or 256 values (gg_quantize_row:
+ * within 1/65534 of the block's largest value, where llama.cpp rounds activations to 8 bits,
+ * 1/254); a block is unpacked once to its integer codes and scales (unpack_*), shared by all
+ * the rows of x; codes and activations are multiplied in integers, exactly. A block of 32
+ * scales each chunk's integer sum once in float; a block of 256 (the K-quants, IQ4_XS)
+ * multiplies each group's codes by its integer scale first, so the whole block sums in
+ * integers and is scaled in float once (the weights are the file's, the rounding the
+ * activations' and float32's). A thread takes a range of weight rows, and every output is
+ * one fixed sequence of instructions owned by one thread, whatever the number of rows or
+ * threads: a verify pass's rows are one-token steps bit for bit.
  *
  * gguf_dequant_f32: whole rows decoded into float32 (a dense view, embedding rows); a
  * prefill's GEMM decodes a few rows at a time itself (gguf_gemm.c). */
@@ -68,23 +70,28 @@ static inline void scale8(uint64_t v, int sign, float mul, float *out) {
     _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps(mul)));
 }
 
-/* the 8 six-bit scales and mins of a Q4_K / Q5_K block's 12 bytes, times d and dmin: group j
- * < 4 takes s[j] & 63 and s[j + 4] & 63, j >= 4 the nibbles of s[j + 4] with the top two
- * bits of s[j - 4] and s[j] (ggml's get_scale_min_k4), four groups a 32-bit word at once */
-static inline void scale_min_k4(const uint8_t *s, float d, float dmin, float *dsc, float *dm) {
+/* the 8 six-bit scales (as integers) and mins (times dmin) of a Q4_K / Q5_K block's 12
+ * bytes: group j < 4 takes s[j] & 63 and s[j + 4] & 63, j >= 4 the nibbles of s[j + 4] with
+ * the top two bits of s[j - 4] and s[j] (ggml's get_scale_min_k4), four groups a 32-bit word
+ * at once */
+static inline void scale_min_k4(const uint8_t *s, float dmin, int16_t *isc, float *dm) {
     uint32_t u[3];
     memcpy(u, s, 12);
     const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
     const uint32_t sc_hi = (u[2] & four) | (((u[0] >> 6) & two) << 4);
     const uint32_t mn_hi = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
-    scale8((uint64_t)(u[0] & six) | (uint64_t)sc_hi << 32, 0, d, dsc);
+    const uint64_t sc = (uint64_t)(u[0] & six) | (uint64_t)sc_hi << 32;
+    _mm_storeu_si128((__m128i *)isc, _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
     scale8((uint64_t)(u[1] & six) | (uint64_t)mn_hi << 32, 0, dmin, dm);
 }
 
-/* unpack_*: one block to its integer codes q (int8, in the weights' order) and, per group
- * of G weights, a scale d[g] and an offset m[g] (formats without one leave m alone), such
- * that weight e of group g is d[g] * q[e] + m[g]: the decoders' arithmetic, factored. The
- * codes are unpacked 32 at a time in AVX2's integer instructions (AVX-512 CPUs have them). */
+/* unpack_*: one block to its integer codes q (int8, in the weights' order) and scales. A
+ * block of 32 (one group): its scale d[0] and, with an offset, m[0]: weight e is d[0] * q[e]
+ * + m[0]. A block of 256 (the K-quants, IQ4_XS): its scale d[0], and per group of G weights
+ * an integer scale isc[g] and (Q2_K, Q4_K, Q5_K) an offset m[g]: weight e of group g is
+ * (d[0] * isc[g]) * q[e] + m[g], the product in brackets rounded to float32 as ggml rounds
+ * it. The codes are unpacked 32 at a time in AVX2's integer instructions (AVX-512 CPUs have
+ * them). */
 static inline void put32(int8_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)q, v); }
 static inline __m256i ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline __m256i low_bits(__m256i v, int shift, int mask) {
@@ -114,42 +121,48 @@ static inline __m256i fifth_bits(const uint8_t *p) {
     return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
-static inline __attribute__((always_inline)) const int8_t *unpack_q4_0(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q4_0(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
+    (void)isc;
     (void)m;
     d[0] = gg_half(b);
     put32(q, _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8)));
     return q;
 }
 
-static inline __attribute__((always_inline)) const int8_t *unpack_q4_1(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q4_1(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
+    (void)isc;
     d[0] = gg_half(b);
     m[0] = gg_half(b + 2);
     put32(q, nibbles(b + 4));
     return q;
 }
 
-static inline __attribute__((always_inline)) const int8_t *unpack_q5_0(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q5_0(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
+    (void)isc;
     (void)m;
     d[0] = gg_half(b);
     put32(q, _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), fifth_bits(b + 2)), _mm256_set1_epi8(16)));
     return q;
 }
 
-static inline __attribute__((always_inline)) const int8_t *unpack_q5_1(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q5_1(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
+    (void)isc;
     d[0] = gg_half(b);
     m[0] = gg_half(b + 2);
     put32(q, _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4)));
     return q;
 }
 
-static inline __attribute__((always_inline)) const int8_t *unpack_q8_0(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q8_0(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
+    (void)isc;
     (void)m;
     (void)q;
     d[0] = gg_half(b);
     return (const int8_t *)(b + 2);             /* the codes as stored */
 }
 
-static inline __attribute__((always_inline)) const int8_t *unpack_iq4_nl(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_iq4_nl(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
+    (void)isc;
     (void)m;
     d[0] = gg_half(b);
     put32(q, iq4_values(b + 2));
@@ -157,15 +170,15 @@ static inline __attribute__((always_inline)) const int8_t *unpack_iq4_nl(const u
 }
 
 /* scales[16] qs[64] d dmin: 16 groups of 16, q in 0..3 */
-static inline __attribute__((always_inline)) const int8_t *unpack_q2_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q2_k(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
     const uint8_t *sc = b, *qs = b + 16;
-    const float dd = gg_half(b + 80), dmin = gg_half(b + 82);
+    const float dmin = gg_half(b + 82);
+    d[0] = gg_half(b + 80);
     uint64_t v[2];
     memcpy(v, sc, 16);
-    for (int h = 0; h < 2; h++) {
-        scale8(v[h] & 0x0f0f0f0f0f0f0f0full, 0, dd, d + 8 * h);
-        scale8((v[h] >> 4) & 0x0f0f0f0f0f0f0f0full, 0, -dmin, m + 8 * h);
-    }
+    _mm256_storeu_si256((__m256i *)isc, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)sc),
+                                                                         _mm_set1_epi8(0xf))));
+    for (int h = 0; h < 2; h++) scale8((v[h] >> 4) & 0x0f0f0f0f0f0f0f0full, 0, -dmin, m + 8 * h);
     for (int h = 0; h < 2; h++) {
         const __m256i v = ld32(qs + h * 32);
         for (int s = 0; s < 4; s++) put32(q + h * 128 + s * 32, low_bits(v, 2 * s, 3));
@@ -174,10 +187,10 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q2_k(const uin
 }
 
 /* hmask[32] qs[64] scales[12] d: 16 groups of 16, q in -4..3 (4 less where hmask's bit is clear) */
-static inline __attribute__((always_inline)) const int8_t *unpack_q3_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q3_k(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
     (void)m;
     const uint8_t *qs = b + 32, *sc = b + 96;
-    const float dd = gg_half(b + 108);
+    d[0] = gg_half(b + 108);
     /* group i's six-bit scale, less 32: its low four bits are nibble i of scales[0..7] (the
      * low nibbles, then the high ones), its top two bits 2 (i / 4) of scales[8 + i % 4] */
     uint64_t lo;
@@ -189,10 +202,7 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q3_k(const uin
     const uint64_t top0 = (uint64_t)(hi & m2) | (uint64_t)((hi >> 2) & m2) << 32;
     const uint64_t top1 = (uint64_t)((hi >> 4) & m2) | (uint64_t)((hi >> 6) & m2) << 32;
     const __m128i six = _mm_set_epi64x((long long)(((lo >> 4) & m4) | top1 << 4), (long long)((lo & m4) | top0 << 4));
-    const __m128i sv = _mm_sub_epi8(six, _mm_set1_epi8(32));
-    const __m256 ddv = _mm256_set1_ps(dd);
-    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sv)), ddv));
-    _mm256_storeu_ps(d + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sv, 8))), ddv));
+    _mm256_storeu_si256((__m256i *)isc, _mm256_cvtepi8_epi16(_mm_sub_epi8(six, _mm_set1_epi8(32))));
     const __m256i hm = ld32(b), four = _mm256_set1_epi8(4);
     for (int h = 0; h < 2; h++) {
         const __m256i v = ld32(qs + h * 32);
@@ -205,8 +215,9 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q3_k(const uin
 }
 
 /* d dmin scales[12] qs[128]: 8 groups of 32, q in 0..15 */
-static inline __attribute__((always_inline)) const int8_t *unpack_q4_k(const uint8_t *b, int8_t *q, float *d, float *m) {
-    scale_min_k4(b + 4, gg_half(b), -gg_half(b + 2), d, m);        /* -(dmin * mn), exactly */
+static inline __attribute__((always_inline)) const int8_t *unpack_q4_k(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
+    d[0] = gg_half(b);
+    scale_min_k4(b + 4, -gg_half(b + 2), isc, m);        /* -(dmin * mn), exactly */
     for (int c = 0; c < 4; c++) {
         const __m256i v = ld32(b + 16 + c * 32);
         put32(q + c * 64, low_bits(v, 0, 0xf));
@@ -216,8 +227,9 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q4_k(const uin
 }
 
 /* d dmin scales[12] qh[32] qs[128]: as Q4_K with a fifth bit per weight, q in 0..31 */
-static inline __attribute__((always_inline)) const int8_t *unpack_q5_k(const uint8_t *b, int8_t *q, float *d, float *m) {
-    scale_min_k4(b + 4, gg_half(b), -gg_half(b + 2), d, m);
+static inline __attribute__((always_inline)) const int8_t *unpack_q5_k(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
+    d[0] = gg_half(b);
+    scale_min_k4(b + 4, -gg_half(b + 2), isc, m);
     const __m256i qh = ld32(b + 16);
     for (int c = 0; c < 4; c++) {
         const __m256i v = ld32(b + 48 + c * 32);
@@ -228,13 +240,10 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q5_k(const uin
 }
 
 /* ql[128] qh[64] scales[16] (int8) d: 16 groups of 16, q in -32..31 */
-static inline __attribute__((always_inline)) const int8_t *unpack_q6_k(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_q6_k(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
     (void)m;
-    uint64_t sc[2];
-    memcpy(sc, b + 192, 16);
-    const float dd = gg_half(b + 208);
-    scale8(sc[0], 1, dd, d);
-    scale8(sc[1], 1, dd, d + 8);
+    d[0] = gg_half(b + 208);
+    _mm256_storeu_si256((__m256i *)isc, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))));
     const __m256i bias = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; h++) {
         const __m256i qh = ld32(b + 128 + h * 32);
@@ -251,9 +260,9 @@ static inline __attribute__((always_inline)) const int8_t *unpack_q6_k(const uin
 }
 
 /* d scales_h(u16) scales_l[4] qs[128]: 8 groups of 32, 6-bit signed scales, IQ4_NL's values */
-static inline __attribute__((always_inline)) const int8_t *unpack_iq4_xs(const uint8_t *b, int8_t *q, float *d, float *m) {
+static inline __attribute__((always_inline)) const int8_t *unpack_iq4_xs(const uint8_t *b, int8_t *q, float *d, float *m, int16_t *isc) {
     (void)m;
-    const float dd = gg_half(b);
+    d[0] = gg_half(b);
     const int sh = b[2] | (b[3] << 8);
     uint32_t x;
     memcpy(&x, b + 4, 4);
@@ -263,7 +272,7 @@ static inline __attribute__((always_inline)) const int8_t *unpack_iq4_xs(const u
                                          _mm256_set1_epi32(3));
     const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)),
                                                         _mm256_slli_epi32(top, 4)), _mm256_set1_epi32(32));
-    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(dd)));
+    _mm_storeu_si128((__m128i *)isc, _mm_packs_epi32(_mm256_castsi256_si128(sc), _mm256_extracti128_si256(sc, 1)));
     for (int g = 0; g < 8; g++) put32(q + g * 32, iq4_values(b + 8 + g * 16));
     return q;
 }
@@ -302,59 +311,68 @@ static inline int hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(t);
 }
 
-/* one row of K values (K a multiple of 32) into q, s and, with G (16 or 32) nonzero, xs */
-static void gg_quantize_row(const float *x, int K, int G, int16_t *q, float *s, float *xs) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int c = 0; c < K / 32; c++) {
-        const float *xc = x + 32 * c;
-        const __m256 a0 = _mm256_loadu_ps(xc), a1 = _mm256_loadu_ps(xc + 8), a2 = _mm256_loadu_ps(xc + 16),
-                     a3 = _mm256_loadu_ps(xc + 24);
-        const __m256 mv = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a0, absmask), _mm256_and_ps(a1, absmask)),
-                                        _mm256_max_ps(_mm256_and_ps(a2, absmask), _mm256_and_ps(a3, absmask)));
-        __m128 t = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_max_ss(t, _mm_movehdup_ps(t));
-        const float mx = _mm_cvtss_f32(t);
-        /* max_ps drops a NaN operand in one position only: check every value */
-        const __m256 finite = _mm256_set1_ps(3.4028235e38f);
-        const int bad = _mm256_movemask_ps(_mm256_or_ps(
-            _mm256_or_ps(_mm256_cmp_ps(_mm256_and_ps(a0, absmask), finite, _CMP_NLE_UQ),
-                         _mm256_cmp_ps(_mm256_and_ps(a1, absmask), finite, _CMP_NLE_UQ)),
-            _mm256_or_ps(_mm256_cmp_ps(_mm256_and_ps(a2, absmask), finite, _CMP_NLE_UQ),
-                         _mm256_cmp_ps(_mm256_and_ps(a3, absmask), finite, _CMP_NLE_UQ))));
+/* the largest |x| of 32 values, and whether one of them is not finite (max_ps drops a NaN
+ * operand in one position only: every value is checked) */
+static inline float gg_absmax32(const float *xc, int *bad) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), finite = _mm256_set1_ps(3.4028235e38f);
+    const __m256 a0 = _mm256_and_ps(_mm256_loadu_ps(xc), absmask), a1 = _mm256_and_ps(_mm256_loadu_ps(xc + 8), absmask),
+                 a2 = _mm256_and_ps(_mm256_loadu_ps(xc + 16), absmask), a3 = _mm256_and_ps(_mm256_loadu_ps(xc + 24), absmask);
+    const __m256 mv = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_movehdup_ps(t));
+    *bad |= _mm256_movemask_ps(_mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(a0, finite, _CMP_NLE_UQ),
+                                                         _mm256_cmp_ps(a1, finite, _CMP_NLE_UQ)),
+                                           _mm256_or_ps(_mm256_cmp_ps(a2, finite, _CMP_NLE_UQ),
+                                                        _mm256_cmp_ps(a3, finite, _CMP_NLE_UQ))));
+    return _mm_cvtss_f32(t);
+}
+
+/* one row of K values (K a multiple of CH, CH 32 or 256) into q, s (a scale per CH values)
+ * and, with G (16 or 32) nonzero, xs (per group of G) */
+static void gg_quantize_row(const float *x, int K, int G, int CH, int16_t *q, float *s, float *xs) {
+    for (int c0 = 0; c0 < K / CH; c0++) {
+        int bad = 0;
+        float mx = 0.f;
+        for (int c = c0 * CH / 32; c < (c0 + 1) * CH / 32; c++) mx = fmaxf(mx, gg_absmax32(x + 32 * c, &bad));
         const float inv = mx > 0.f && !bad ? (float)GG_XR / mx : 0.f;
+        s[c0] = bad ? NAN : mx / (float)GG_XR;
         const __m256 iv = _mm256_set1_ps(inv);
-        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, iv)),
-                      i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, iv));
+        for (int c = c0 * CH / 32; c < (c0 + 1) * CH / 32; c++) {
+            const float *xc = x + 32 * c;
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xc), iv)),
+                          i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xc + 8), iv)),
+                          i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xc + 16), iv)),
+                          i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xc + 24), iv));
 #if LC_AVX512
-        /* packs interleaves 64-bit quarters: [i0 lo, i1 lo, i0 hi, i1 hi], put back in order */
-        _mm256_storeu_si256((__m256i *)(q + 32 * c), _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xd8));
-        _mm256_storeu_si256((__m256i *)(q + 32 * c + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xd8));
+            /* packs interleaves 64-bit quarters: [i0 lo, i1 lo, i0 hi, i1 hi], put back in order */
+            _mm256_storeu_si256((__m256i *)(q + 32 * c), _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xd8));
+            _mm256_storeu_si256((__m256i *)(q + 32 * c + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xd8));
 #else
-        /* packs interleaves 128-bit halves: [i0 lo, i2 lo] with [i0 hi, i2 hi] gives 0..7, 16..23 */
-        _mm256_storeu_si256((__m256i *)(q + 32 * c), _mm256_packs_epi32(_mm256_permute2x128_si256(i0, i2, 0x20),
-                                                                        _mm256_permute2x128_si256(i0, i2, 0x31)));
-        _mm256_storeu_si256((__m256i *)(q + 32 * c + 16), _mm256_packs_epi32(_mm256_permute2x128_si256(i1, i3, 0x20),
-                                                                             _mm256_permute2x128_si256(i1, i3, 0x31)));
+            /* packs interleaves 128-bit halves: [i0 lo, i2 lo] with [i0 hi, i2 hi] gives 0..7, 16..23 */
+            _mm256_storeu_si256((__m256i *)(q + 32 * c), _mm256_packs_epi32(_mm256_permute2x128_si256(i0, i2, 0x20),
+                                                                            _mm256_permute2x128_si256(i0, i2, 0x31)));
+            _mm256_storeu_si256((__m256i *)(q + 32 * c + 16), _mm256_packs_epi32(_mm256_permute2x128_si256(i1, i3, 0x20),
+                                                                                 _mm256_permute2x128_si256(i1, i3, 0x31)));
 #endif
-        s[c] = bad ? NAN : mx / (float)GG_XR;
-        if (G == 32) xs[c] = s[c] * (float)hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
-        if (G == 16) {
-            xs[2 * c] = s[c] * (float)hsum_epi32(_mm256_add_epi32(i0, i1));
-            xs[2 * c + 1] = s[c] * (float)hsum_epi32(_mm256_add_epi32(i2, i3));
+            if (G == 32) xs[c] = s[c0] * (float)hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+            if (G == 16) {
+                xs[2 * c] = s[c0] * (float)hsum_epi32(_mm256_add_epi32(i0, i1));
+                xs[2 * c + 1] = s[c0] * (float)hsum_epi32(_mm256_add_epi32(i2, i3));
+            }
         }
     }
 }
 
 /* gg_dot_<format>: y[m0 + m, n] for m < mb, weight row n (K weights at wr) against x rows
- * m0... A block is unpacked once to its int8 codes and per-group scales and offsets, shared
- * by the rows. Per chunk of 32 weights, the codes are widened to 16 bits and multiplied with
- * the activations' codes in integers (pmaddwd: 32 products into pair sums, exact; AVX2 adds
- * its two halves' into 8 sums, AVX-512 keeps 16), the sums converted to float and scaled by
- * the group's scale times the chunk's activation scale. Even and odd chunks accumulate apart
- * (two chains, so the next chunk need not wait for the last one's sum), added at the end. A
- * group's offset m[g] meets xs[g]: eight or sixteen groups a fused vector product-sum into
- * the odd chain, else one fused scalar product-sum apart.
+ * m0... A block is unpacked once to its int8 codes and scales, shared by the rows. Codes
+ * are widened to 16 bits and multiplied with the activations' codes in integers (pmaddwd:
+ * 32 products into pair sums, exact; AVX2 adds its two halves' into 8 sums, AVX-512 keeps
+ * 16). A block of 32 (GG_BLOCK) converts its sums to float and scales them by the block's
+ * scale times the row's activation scale; blocks alternate between two float chains, so the
+ * next need not wait for the last one's sum. A block of 256 (GG_KBLOCK) stays in integers
+ * to its end. An offset (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) meets xs, the scaled sum of the
+ * activations of its group, in a fused product-sum of its own.
  * So a product is the file's weights times x rounded to 16 bits, summed in float32. One body
  * per row count (MROWS, a constant), so the accumulators stay in registers; one fixed
  * sequence per output, whatever mb or the thread. */
@@ -370,101 +388,135 @@ static inline __m512 load16(const float *p) {
                                                _mm256_loadu_pd((const double *)(p + 8)), 1));
 }
 
-/* GG_BLOCK(...): one block's chunks into acc and off, for MROWS rows of x. AVX-512: a chunk
- * is one register of 32 16-bit codes in order; its 16 pair sums take the chunk's scale
- * (groups of 32), or the first group's in lanes 0..7 and the second's in 8..15 (groups of 16,
- * the scales of a block's 16 groups held in one register and spread by a permute). */
+/* GG_BLOCK(...): a block of 32 (one group, one chunk) into acc and off, for MROWS rows of x.
+ * AVX-512: the 32 codes one register, in order; their 16 pair sums take the block's scale
+ * times the row's activation scale. */
 #define GG_BLOCK(NAME, BS, G, OFFSETS)                                                                            \
+    int8_t q[BS] __attribute__((aligned(64)));                                                                   \
+    int16_t isc[16];                      /* unused: a block of 32 has one float scale */                        \
+    float d[(BS) / (G)], off_g[(BS) / (G)];                                                                      \
+    const int8_t *cq = unpack_##NAME(wr, q, d, off_g, isc);                                                      \
+    const __m256i v = _mm256_loadu_si256((const __m256i *)cq);                                                   \
+    const __m512i w = (OFFSETS) ? _mm512_cvtepu8_epi16(v) : _mm512_cvtepi8_epi16(v);                             \
+    for (int m = 0; m < MROWS; m++) {                                                                            \
+        const int64_t row = m0 + m;                                                                              \
+        const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(x->q + row * x->ldq + k0));                    \
+        acc[m][odd] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d[0] * x->s[row * x->lds + k0 / 32]), \
+                                      acc[m][odd]);                                                              \
+        if (OFFSETS) off[m] = fmaf(off_g[0], x->xs[row * x->ldxs + k0 / 32], off[m]);                             \
+    }
+
+/* acc + the pair sums of a and b's 16-bit products, exactly: one instruction with VNNI */
+static inline __m512i dot16(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* GG_KBLOCK(...): a block of 256 (K-quants, IQ4_XS) in integers. The activations' scale is
+ * one per block, so a group's integer scale multiplies its codes (16 bits hold every code
+ * times its scale: |q isc| <= 4096) and every product of the block sums in 32-bit integers,
+ * scaled in float once: per row and chunk, one multiply-add of 32 pairs. Two integer chains
+ * a row (even and odd chunks), each lane at most 8 products of |q isc| 4096 by |x| 32767, so
+ * their sum (16 products) stays below 2^31. */
+#define GG_KBLOCK(NAME, BS, G, OFFSETS)                                                                           \
     enum { NG = (BS) / (G), NC = (BS) / 32, VEC_OFF = (OFFSETS) && NG % 8 == 0 };                                \
     int8_t q[BS] __attribute__((aligned(64)));                                                                   \
-    float d[NG] __attribute__((aligned(64))), off_g[NG] __attribute__((aligned(64)));                            \
-    float sc[GG_MB][NG] __attribute__((aligned(64)));                                                            \
-    __m512 sv[GG_MB];                                                                                            \
-    const int8_t *cq = unpack_##NAME(wr, q, d, off_g);                                                           \
-    for (int m = 0; m < MROWS; m++) {                                                                            \
-        const float *s = x->s + (int64_t)(m0 + m) * x->lds + k0 / 32;                                            \
-        if (NG == 16) /* group g takes chunk g / 2's scale */                                                    \
-            sv[m] = _mm512_mul_ps(load16(d), _mm512_permutexvar_ps(                                              \
-                _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),                               \
-                _mm512_castps256_ps512(_mm256_loadu_ps(s))));                                                    \
-        else if (NG == 8)                                                                                        \
-            _mm256_storeu_ps(sc[m], _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_loadu_ps(s)));                      \
-        else                                                                                                     \
-            for (int g = 0; g < NG; g++) sc[m][g] = d[g] * s[g * (G) / 32];                                      \
-    }                                                                                                            \
+    int16_t isc[16] __attribute__((aligned(32)));                                                                \
+    float d[NG], off_g[NG] __attribute__((aligned(64)));                                                         \
+    const int8_t *cq = unpack_##NAME(wr, q, d, off_g, isc);                                                      \
+    __m512i ia[GG_MB][2];                                                                                        \
+    for (int m = 0; m < MROWS; m++) ia[m][0] = ia[m][1] = _mm512_setzero_si512();                                \
+    const __m512i scv = NG == 16 ? _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)isc))               \
+                                 : _mm512_castsi128_si512(_mm_load_si128((const __m128i *)isc));                 \
     _Pragma("GCC unroll 8")                                                                                      \
     for (int c = 0; c < NC; c++) {                                                                               \
         const __m256i v = _mm256_loadu_si256((const __m256i *)(cq + 32 * c));                                    \
         const __m512i w = (OFFSETS) ? _mm512_cvtepu8_epi16(v) : _mm512_cvtepi8_epi16(v);                         \
+        /* group 2c in words 0..15 and 2c + 1 in 16..31 (groups of 16), or group c in all */                     \
+        const __m512i sc = _mm512_permutexvar_epi16(NG == 16 ?                                                   \
+            _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1)      \
+            : _mm512_set1_epi16((short)c), scv);                                                                 \
+        const __m512i ws = _mm512_mullo_epi16(w, sc);                                                            \
         for (int m = 0; m < MROWS; m++) {                                                                        \
             const int16_t *xq = x->q + (int64_t)(m0 + m) * x->ldq + k0 + 32 * c;                                 \
-            const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(xq));                                      \
-            const __m512 scale = NG == 16 ? _mm512_permutexvar_ps(                                               \
-                _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1,   \
-                                  2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1), sv[m])      \
-                : _mm512_set1_ps(sc[m][(G) == 32 ? c : 0]);                                                      \
-            __m512 *a = &acc[m][(odd + c) & 1];                                                                  \
-            *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, *a);                                              \
+            ia[m][c & 1] = dot16(ia[m][c & 1], ws, _mm512_loadu_si512(xq));                                      \
         }                                                                                                        \
     }                                                                                                            \
     for (int m = 0; m < MROWS; m++) {                                                                            \
+        const float xsc = x->s[(int64_t)(m0 + m) * x->lds + k0 / (BS)];                                          \
+        acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[m][0], ia[m][1])),                    \
+                                    _mm512_set1_ps(d[0] * xsc), acc[m][0]);                                      \
         const float *xs = x->xs + (int64_t)(m0 + m) * x->ldxs + k0 / (G);                                        \
         if (VEC_OFF && NG == 16)                                                                                 \
             acc[m][1] = _mm512_fmadd_ps(load16(off_g), _mm512_loadu_ps(xs), acc[m][1]);                          \
         else if (VEC_OFF)                                                                                        \
             acc[m][1] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_loadu_ps(off_g)),                          \
                                         _mm512_zextps256_ps512(_mm256_loadu_ps(xs)), acc[m][1]);                 \
-        else if (OFFSETS)                                                                                        \
-            for (int g = 0; g < NG; g++) off[m] = fmaf(off_g[g], xs[g], off[m]);                                 \
     }
 #else
 typedef __m256 gacc;
 static inline gacc gacc_zero(void) { return _mm256_setzero_ps(); }
 static inline float gacc_sum(gacc a, gacc b) { return sum8(_mm256_add_ps(a, b)); }
 
-/* a chunk's 8 scales (group scale times the chunk's activation scale) for chunk c of a block:
- * groups of 32 one scale, groups of 16 the low four lanes the first group's, the high four
- * the second's (the order the unpacking leaves the sums in) */
-static inline __m256 chunk_scales(const float *sc, int c, int G) {
-    if (G == 32) return _mm256_broadcast_ss(sc + c);
-    const __m256 two = _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc + 2 * c))));
-    return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-}
-
-/* GG_BLOCK(...), AVX2: a chunk's codes unpacked to two registers of 16 16-bit codes */
+/* GG_BLOCK(...), AVX2: the 32 codes unpacked to two registers of 16 16-bit codes, their
+ * pair sums added into 8 */
 #define GG_BLOCK(NAME, BS, G, OFFSETS)                                                                            \
+    int8_t q[BS] __attribute__((aligned(64)));                                                                   \
+    int16_t isc[16];                      /* unused: a block of 32 has one float scale */                        \
+    float d[(BS) / (G)], off_g[(BS) / (G)];                                                                      \
+    const int8_t *cq = unpack_##NAME(wr, q, d, off_g, isc);                                                      \
+    const __m256i v = _mm256_loadu_si256((const __m256i *)cq), zero = _mm256_setzero_si256();                    \
+    const __m256i ext = (OFFSETS) ? zero : _mm256_cmpgt_epi8(zero, v);              /* codes >= 0 or signed */   \
+    const __m256i wa = _mm256_unpacklo_epi8(v, ext), wb = _mm256_unpackhi_epi8(v, ext);                         \
+    for (int m = 0; m < MROWS; m++) {                                                                            \
+        const int64_t row = m0 + m;                                                                              \
+        const int16_t *xq = x->q + row * x->ldq + k0;                                                            \
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wa, _mm256_loadu_si256((const __m256i *)xq)),      \
+                                           _mm256_madd_epi16(wb, _mm256_loadu_si256((const __m256i *)(xq + 16)))); \
+        acc[m][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[0] * x->s[row * x->lds + k0 / 32]), \
+                                      acc[m][odd]);                                                              \
+        if (OFFSETS) off[m] = fmaf(off_g[0], x->xs[row * x->ldxs + k0 / 32], off[m]);                             \
+    }
+
+/* GG_KBLOCK(...), AVX2: as AVX-512's, a chunk's codes in two registers of 16 (unpacking
+ * order: words 0..7 of each from the chunk's first 16 weights), each with its own integer
+ * chain a row (at most 16 products a lane), converted to float apart. */
+#define GG_KBLOCK(NAME, BS, G, OFFSETS)                                                                           \
     enum { NG = (BS) / (G), NC = (BS) / 32, VEC_OFF = (OFFSETS) && NG % 8 == 0 };                                \
     int8_t q[BS] __attribute__((aligned(64)));                                                                   \
-    float d[NG], off_g[NG], sc[GG_MB][NG];                                                                       \
-    const int8_t *cq = unpack_##NAME(wr, q, d, off_g);                                                           \
-    for (int m = 0; m < MROWS; m++) {                                                                            \
-        const float *s = x->s + (int64_t)(m0 + m) * x->lds + k0 / 32;                                            \
-        if (NG == 8)                                                                                             \
-            _mm256_storeu_ps(sc[m], _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_loadu_ps(s)));                      \
-        else                                                                                                     \
-            for (int g = 0; g < NG; g++) sc[m][g] = d[g] * s[g * (G) / 32];                                      \
-    }                                                                                                            \
+    int16_t isc[16] __attribute__((aligned(32)));                                                                \
+    float d[NG], off_g[NG];                                                                                      \
+    const int8_t *cq = unpack_##NAME(wr, q, d, off_g, isc);                                                      \
+    __m256i ia[GG_MB][2];                                                                                        \
+    for (int m = 0; m < MROWS; m++) ia[m][0] = ia[m][1] = _mm256_setzero_si256();                                \
     const __m256i zero = _mm256_setzero_si256();                                                                 \
     _Pragma("GCC unroll 8")                                                                                      \
     for (int c = 0; c < NC; c++) {                                                                               \
         const __m256i v = _mm256_loadu_si256((const __m256i *)(cq + 32 * c));                                    \
-        const __m256i ext = (OFFSETS) ? zero : _mm256_cmpgt_epi8(zero, v);          /* codes >= 0 or signed */   \
-        const __m256i wa = _mm256_unpacklo_epi8(v, ext), wb = _mm256_unpackhi_epi8(v, ext);                     \
+        const __m256i ext = (OFFSETS) ? zero : _mm256_cmpgt_epi8(zero, v);                                       \
+        /* words 0..7 of a register: the first group of the chunk (groups of 16), 8..15 the second */            \
+        const __m256i sc = NG == 16 ? _mm256_set_m128i(_mm_set1_epi16(isc[2 * c + 1]), _mm_set1_epi16(isc[2 * c])) \
+                                    : _mm256_set1_epi16(isc[c]);                                                 \
+        const __m256i wa = _mm256_mullo_epi16(_mm256_unpacklo_epi8(v, ext), sc),                                 \
+                      wb = _mm256_mullo_epi16(_mm256_unpackhi_epi8(v, ext), sc);                                 \
         for (int m = 0; m < MROWS; m++) {                                                                        \
             const int16_t *xq = x->q + (int64_t)(m0 + m) * x->ldq + k0 + 32 * c;                                 \
-            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wa, _mm256_loadu_si256((const __m256i *)xq)),  \
-                                               _mm256_madd_epi16(wb, _mm256_loadu_si256((const __m256i *)(xq + 16)))); \
-            __m256 *a = &acc[m][(odd + c) & 1];                                                                  \
-            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), chunk_scales(sc[m], c, G), *a);                          \
+            ia[m][0] = _mm256_add_epi32(ia[m][0], _mm256_madd_epi16(wa, _mm256_loadu_si256((const __m256i *)xq))); \
+            ia[m][1] = _mm256_add_epi32(ia[m][1],                                                                \
+                                        _mm256_madd_epi16(wb, _mm256_loadu_si256((const __m256i *)(xq + 16))));  \
         }                                                                                                        \
     }                                                                                                            \
     for (int m = 0; m < MROWS; m++) {                                                                            \
+        const float xsc = x->s[(int64_t)(m0 + m) * x->lds + k0 / (BS)];                                          \
+        acc[m][0] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_cvtepi32_ps(ia[m][0]), _mm256_cvtepi32_ps(ia[m][1])),   \
+                                    _mm256_set1_ps(d[0] * xsc), acc[m][0]);                                      \
         const float *xs = x->xs + (int64_t)(m0 + m) * x->ldxs + k0 / (G);                                        \
         if (VEC_OFF)                                                                                             \
             for (int g = 0; g < NG; g += 8)                                                                      \
                 acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(off_g + g), _mm256_loadu_ps(xs + g), acc[m][1]);     \
-        else if (OFFSETS)                                                                                        \
-            for (int g = 0; g < NG; g++) off[m] = fmaf(off_g[g], xs[g], off[m]);                                 \
     }
 #endif
 
@@ -472,7 +524,13 @@ static inline __m256 chunk_scales(const float *sc, int c, int G) {
 static inline __attribute__((always_inline)) void gg_block_##NAME(                                               \
         const uint8_t *wr, int k0, const GGX *x, int m0, const int MROWS, const int odd, gacc (*acc)[2],         \
         float *off) {                                                                                            \
-    GG_BLOCK(NAME, BS, G, OFFSETS)                                                                               \
+    (void)odd;                                                                                                   \
+    (void)off;                                                                                                   \
+    if ((BS) == 256) {                                                                                           \
+        GG_KBLOCK(NAME, BS, G, OFFSETS)                                                                          \
+    } else {                                                                                                     \
+        GG_BLOCK(NAME, BS, G, OFFSETS)                                                                           \
+    }                                                                                                            \
 }                                                                                                                \
 static inline __attribute__((always_inline)) void gg_rows_##NAME(                                                \
         const uint8_t *wr, int K, const GGX *x, int m0, const int MROWS, float *y, int64_t ldy, int n) {         \
@@ -521,8 +579,11 @@ static inline vf codes(const int8_t *p) {
 #define GG_DECODE(NAME, TYPE, BS, BYTES, G, OFFSETS)                                                                    \
 static void gg_decode_##NAME(const uint8_t *b, float *o) {                                                   \
     int8_t q[BS] __attribute__((aligned(64)));                                                               \
+    int16_t isc[16];                                                                                         \
     float d[(BS) / (G)], m[(BS) / (G)];                                                                      \
-    const int8_t *cq = unpack_##NAME(b, q, d, m);                                                            \
+    const int8_t *cq = unpack_##NAME(b, q, d, m, isc);                                                       \
+    if ((BS) == 256)                                                                                         \
+        for (int g = (BS) / (G) - 1; g >= 0; g--) d[g] = d[0] * (float)isc[g];                               \
     for (int g = 0; g < (BS) / (G); g++) {                                                                   \
         const vf dg = vf_set1(d[g]);                                                                         \
         for (int c = 0; c < (G) / VL; c++) {                                                                 \
@@ -566,13 +627,13 @@ int gguf_linear_f32(int type, const float *x, int64_t ldx, const uint8_t *w, int
                     int64_t ldy, int M, int N, int K, int threads) {
     Format f;
     if (!gg_format(type, &f) || K % f.bs) return -1;
-    const int G = f.offsets ? f.group : 0, ng = G ? K / G : 0;
-    int16_t *q = malloc(sizeof(int16_t) * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(K / 32 + ng));
+    const int G = f.offsets ? f.group : 0, ng = G ? K / G : 0, CH = f.bs;    /* an activation scale per block */
+    int16_t *q = malloc(sizeof(int16_t) * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(K / CH + ng));
     if (!q) return -2;
-    float *s = (float *)(q + (int64_t)M * K), *xs = s + (int64_t)M * (K / 32);
+    float *s = (float *)(q + (int64_t)M * K), *xs = s + (int64_t)M * (K / CH);
     for (int m = 0; m < M; m++)
-        gg_quantize_row(x + (int64_t)m * ldx, K, G, q + (int64_t)m * K, s + (int64_t)m * (K / 32), xs + (int64_t)m * ng);
-    const GGX xq = {q, s, xs, K, K / 32, ng};
+        gg_quantize_row(x + (int64_t)m * ldx, K, G, CH, q + (int64_t)m * K, s + (int64_t)m * (K / CH), xs + (int64_t)m * ng);
+    const GGX xq = {q, s, xs, K, K / CH, ng};
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int n = 0; n < N; n++)
         for (int m0 = 0; m0 < M; m0 += GG_MB)

@@ -4,8 +4,8 @@ Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, 
 exactly the bytes of the file (a view into its memory map).
 
 linear(): one-token steps, verify passes and short prefills, every row a lone row: the
-file's weights times the activations rounded to 16 bits per 32 values (gguf.c), summed in
-float32.
+file's weights times the activations rounded to 16 bits per block of the format (32 or 256
+values; gguf.c), multiplied in integers and summed in float32.
 gemm(): a prefill's products over many rows: gemm.c's GEMM over the weight decoded a few
 rows at a time into a small buffer (gguf_gemm.c), never the whole weight at once.
 dequantize(): rows decoded to the file's own float32 weights, bit for bit what gguf-py's
@@ -75,7 +75,7 @@ def _load() -> str:
             _lib[0] = None
             return f"its self-test blocks decoded wrong ({name})"
         x = torch.randn(2, 512, generator=g)
-        xr = rounded_activations(x)
+        xr = rounded_activations(x, name)
         ref = xr @ want.double().t()
         bound = 2 * 512 * 2.0 ** -24 * (xr.abs() @ want.double().abs().t())
         if not ((linear(x, w, name, 512).double() - ref).abs() <= bound).all():
@@ -84,10 +84,11 @@ def _load() -> str:
     return ""
 
 
-def rounded_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the products read it, in float64: per 32 values, s = largest |x| / 32767
+def rounded_activations(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x [M, K] as the products of a weight in format `name` read it, in float64: per block
+    of the format (32 values, or 256 for the K-quants and IQ4_XS), s = largest |x| / 32767
     and x / s rounded to the nearest (even) integer, computed in float32 as gguf.c does."""
-    c = x.float().reshape(x.shape[0], -1, 32)
+    c = x.float().reshape(x.shape[0], -1, block(name)[0])
     mx = c.abs().amax(-1, keepdim=True)
     inv = torch.where(mx > 0, torch.tensor(32767.0) / mx, torch.zeros_like(mx))
     return ((c * inv).round().double() * (mx / 32767.0).double()).view(x.shape)
