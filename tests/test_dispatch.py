@@ -80,3 +80,14 @@ def test_the_engine_reports_the_policy_it_runs(tiny_llama, tmp_path):
     assert d["products"]["int8"]["prefill"] == k.products["int8"][Pass.PREFILL]
     assert d["verify_rows"] == eng.target.impl.rows.reason and "kernels" in d
     assert any(line.startswith("int8: ") for line in k.lines())
+
+
+def test_a_gguf_prefill_leaves_the_block_kernel_where_its_build_stops_winning(monkeypatch):
+    # the block kernel shares a block's unpacking among four rows; the GEMM overtakes it at a
+    # row count that depends on the build (AVX-512's products are the faster)
+    assert dispatch.GGUF_PREFILL_ROWS["avx512"] > dispatch.GGUF_PREFILL_ROWS["avx2"]
+    for isa, rows in dispatch.GGUF_PREFILL_ROWS.items():
+        monkeypatch.setattr(row_kernel, "isa", lambda dtype, isa=isa: isa)
+        route = dispatch.route("Q4_K", Pass.PREFILL, CPU, torch.float32)
+        assert (route.pick(rows), route.pick(rows + 1)) == ("blocks", "blocks-gemm"), isa
+        assert dispatch.route("Q4_K", Pass.VERIFY, CPU, torch.float32).pick(64) == "blocks"

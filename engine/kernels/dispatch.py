@@ -65,10 +65,12 @@ QUANTIZED = ("int8", "int4", "int4 packed", *gguf_kernel.TYPES)
 GEMM_ROWS = 80
 # A prefill's products of more rows than this run a GEMM rather than the lone-row kernels.
 # int4 on Qwen3-1.7B's matrices and int8 on Qwen3.5-35B-A3B's: the dequantized weight and
-# torch's GEMM win from about 8-16 rows (benchmarks/results/gguf_kernels.json for the GGUF
-# blocks, whose crossover is lower: a block kernel passes over the weight once per four rows).
+# torch's GEMM win from about 8-16 rows.
 QUANT_PREFILL_ROWS = 12
-GGUF_PREFILL_ROWS = 8
+# The GGUF block kernel passes over the weight once per four rows, so its crossover is lower,
+# and it depends on the build: past 8 rows in the AVX2 one, past 12 in the AVX-512 one
+# (benchmarks/results/gguf_kernels.json, an AVX2 EPYC; gguf_kernels-zen4.json, a Zen 4 EPYC).
+GGUF_PREFILL_ROWS = {"avx512": 12, "avx2": 8}
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,8 @@ def route(fmt: str, kind: Pass, device: torch.device, act: torch.dtype) -> Route
     if fmt == "int4 packed":
         return Route.of("aten", GEMM_ROWS, "decoded") if aten.runs(device, act, "int4") else Route.of("decoded")
     if fmt in gguf_kernel.TYPES:
-        return Route.of("blocks") if lone else Route.of("blocks", GGUF_PREFILL_ROWS, "blocks-gemm")
+        rows = GGUF_PREFILL_ROWS.get(row_kernel.isa(torch.float32), GGUF_PREFILL_ROWS["avx2"])
+        return Route.of("blocks") if lone else Route.of("blocks", rows, "blocks-gemm")
     raise ValueError(f"no kernel policy for weights of format {fmt!r}")
 
 
