@@ -4,7 +4,8 @@ gguf-py into an F32 GGUF, run by llama.cpp: float32 weights and activations). Te
 on the held texts (engine/data), the first --tokens of each; mean KL(reference || engine),
 top-1 agreement and perplexity. Both engines read the same weights, so whatever they lose is
 what their arithmetic loses: llama.cpp rounds activations to 8 bits for its integer dot
-products (a step of 1/127 of the largest in 32), ours to 16 bits (1/32767 of the largest in 32).
+products (a step of 1/127 of the largest in 32, or in 256 for the K-quants), ours to 16 bits
+(1/32767 of the largest in the weight's block: 32, or 256 for the K-quants and IQ4_XS).
 
 Ours runs the texts in passes of 8 tokens (as verify passes run: the block kernels, every
 row a lone row, what a one-token step computes); llama.cpp in batches of --batch.
