@@ -279,14 +279,15 @@ static inline __attribute__((always_inline)) const int8_t *unpack_iq4_xs(const u
 
 typedef void (*decode_fn)(const uint8_t *, float *);
 
-/* A few rows of x, each rounded to 16-bit integers per 32 values: value j of chunk c is
- * s[c] * q[j], s[c] = (largest |x| of the chunk) / GG_XR, q[j] = x[j] / s[c] rounded to
- * the nearest (even) integer; a chunk's 32 codes are stored in the order the build widens 32
- * weight codes to 16 bits, so a weight chunk meets its activations without a shuffle: in
- * order on AVX-512 (one widening of 32), in the order of AVX2's byte unpacking otherwise
- * (0..7, 16..23, 8..15, 24..31). xs[g]: s[c] times the sum of the codes of
- * group g (16 or 32 values), for the formats whose groups have offsets. A non-finite value
- * makes its chunk's scale NaN, so NaN reaches the outputs it touches, as float32 would. */
+/* A few rows of x, each rounded to 16-bit integers per block of the weight's format (32 or
+ * 256 values): value j of block c is s[c] * q[j], s[c] = (largest |x| of the block) / GG_XR,
+ * q[j] = x[j] / s[c] rounded to the nearest (even) integer. Each 32 codes are stored in the
+ * order the build widens 32 weight codes to 16 bits, so a weight chunk meets its activations
+ * without a shuffle: in order on AVX-512 (one widening of 32), in the order of AVX2's byte
+ * unpacking otherwise (0..7, 16..23, 8..15, 24..31). xs[g]: the block's s times the sum of
+ * the codes of group g (16 or 32 values), for the formats whose groups have offsets. A
+ * non-finite value makes its block's scale NaN, so NaN reaches the outputs it touches, as
+ * float32 would. */
 #define GG_XR 32767
 typedef struct {
     const int16_t *q;
