@@ -41,6 +41,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
     X(q5_k, Q5_K, 256, 176, 32, 1) X(q6_k, Q6_K, 256, 210, 16, 0) X(iq4_xs, IQ4_XS, 256, 136, 32, 0)
 
 #define GG_MB 4                 /* rows of x per pass over a weight row (the switch in gg_dot_*) */
+#ifndef GG_NT
+#define GG_NT 32                /* weight rows a tile (gguf_linear_f32) */
+#endif
 
 static const int8_t kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -635,10 +638,13 @@ int gguf_linear_f32(int type, const float *x, int64_t ldx, const uint8_t *w, int
     for (int m = 0; m < M; m++)
         gg_quantize_row(x + (int64_t)m * ldx, K, G, CH, q + (int64_t)m * K, s + (int64_t)m * (K / CH), xs + (int64_t)m * ng);
     const GGX xq = {q, s, xs, K, K / CH, ng};
+    /* a tile of weight rows stays in the cache while each group of GG_MB rows of x passes
+     * over it, so rows of x are read from the nearest cache whatever M */
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n = 0; n < N; n++)
+    for (int n0 = 0; n0 < N; n0 += GG_NT)
         for (int m0 = 0; m0 < M; m0 += GG_MB)
-            f.dot(w + (int64_t)n * row_bytes, K, &xq, m0, M - m0 < GG_MB ? M - m0 : GG_MB, y, ldy, n);
+            for (int n = n0; n < (n0 + GG_NT < N ? n0 + GG_NT : N); n++)
+                f.dot(w + (int64_t)n * row_bytes, K, &xq, m0, M - m0 < GG_MB ? M - m0 : GG_MB, y, ldy, n);
     free(q);
     return 0;
 }
