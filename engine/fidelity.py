@@ -141,7 +141,7 @@ class Against:
         return {"reference": self.reference, "how": self.how, **self.fidelity.as_dict(), "problem": self.problem()}
 
 
-def against_checkpoint(target, tokenizer, texts: list[list[int]], path, how: str) -> Against:
+def against_checkpoint(target, texts: list[list[int]], path, how: str) -> Against:
     """`target` (a converted file, its held texts `texts` in its own tokens) teacher-forced
     beside the safetensors checkpoint at `path`, run in its own dtype. The checkpoint must
     read the texts as the same tokens and predict over the same vocabulary."""
@@ -154,10 +154,10 @@ def against_checkpoint(target, tokenizer, texts: list[list[int]], path, how: str
     from .targets.resident import checkpoint_dtype, load_resident
     path = Path(path)
     try:
-        theirs = held_texts(AutoTokenizer.from_pretrained(path, trust_remote_code=False), len(texts[0]))
+        theirs = held_texts(AutoTokenizer.from_pretrained(path, trust_remote_code=False), max(map(len, texts)))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot load the reference's tokenizer ({exc})") from None
-    if [t[:len(m)] for t, m in zip(theirs, texts)] != texts:
+    if theirs != texts:
         raise CheckpointError(f"{path}: its tokenizer reads the held texts as other tokens than the file's does: "
                               "not the same model; give the checkpoint the file was made from")
     cpu = torch.device("cpu")           # where a file's blocks run

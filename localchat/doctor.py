@@ -377,7 +377,7 @@ def _check_gguf(ckpt, reference: tuple[Path, str] | None):
     checked = fidelity.check_file(eng.target, texts)
     if reference is None or checked.problem():
         return checked, None
-    return checked, fidelity.against_checkpoint(eng.target, eng.tokenizer, texts, *reference)
+    return checked, fidelity.against_checkpoint(eng.target, texts, *reference)
 
 
 def _reference(named: str | None, gguf: Path) -> tuple[Path, str] | None:
